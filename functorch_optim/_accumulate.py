@@ -1,0 +1,193 @@
+"""Gradient accumulation equal to one large batch: torch's "step every k" idiom."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._base import STEP_ATTR, step as _step
+from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
+
+
+class GradAccumulateState(NamedTuple):
+    """State of ``grad_accumulate``.
+
+    Attributes:
+      mini_step: micro-steps accumulated in the current window (int32, ``0..every-1``).
+      gradient_step: optimizer steps taken by the inner transformation (int32).
+      acc_grads: the running sum of gradients, one array per parameter, in at least
+        float32 (bfloat16 and float16 gradients are summed in float32).
+      has_grad: per parameter, whether any gradient arrived in the current window
+        (boolean scalars); a parameter without one is skipped like torch's
+        ``p.grad is None``.
+      inner_state: the wrapped transformation's state; it moves only on steps.
+    """
+
+    mini_step: jax.Array
+    gradient_step: jax.Array
+    acc_grads: PyTree
+    has_grad: PyTree
+    inner_state: PyTree
+
+    @property
+    def stepped(self) -> jax.Array:
+        """Whether the call that produced this state ran an optimizer step."""
+        return (self.mini_step == 0) & (self.gradient_step > 0)
+
+
+def _acc_dtype(dtype: Any) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def grad_accumulate(
+    tx: optax.GradientTransformation, every: int, reduction: str = "mean"
+) -> optax.GradientTransformationExtraArgs:
+    r"""Step ``tx`` once every ``every`` calls, on the mean or sum of the gradients.
+
+    This is torch's accumulation idiom — call ``backward()`` ``k`` times without
+    ``zero_grad()``, then ``step()`` — as a transformation. Calls ``1..every-1`` of a
+    window only add the gradient into one accumulator: their updates are exactly zero
+    and the inner state (step counters, buffers, schedules) does not move. Call
+    ``every`` steps ``tx`` on
+
+    .. math:: \bar g = \frac{1}{k}\sum_{i=1}^{k} g_i \ (\text{mean}) \quad\text{or}\quad
+              \sum_{i=1}^{k} g_i \ (\text{sum}),
+
+    so ``k`` micro-batches of size ``b`` with per-batch mean losses and
+    ``reduction="mean"`` reproduce one batch of ``k·b`` up to rounding.
+
+    Under ``jit`` the branch is a ``lax.cond``: a micro-step runs only the addition, the
+    inner optimizer runs only on the step. With ``functorch_optim.step`` a micro-step does
+    not touch the parameters at all.
+
+    Args:
+      tx: any optax-compatible transformation (this package's or optax's).
+      every: the number of calls per optimizer step, an integer >= 1.
+      reduction: ``"mean"`` (default) divides the accumulated sum by ``every``;
+        ``"sum"`` keeps the sum (torch's plain accumulation without loss scaling).
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs`` with a ``GradAccumulateState``;
+      ``state.stepped`` tells whether the last call stepped.
+
+    Raises:
+      ValueError: ``every must be an integer >= 1, got …``; ``reduction must be 'mean' or
+        'sum', got …``.
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.grad_accumulate(fo.sgd(lr=1.0), every=2)
+      >>> params = {"w": jnp.array([0.0])}
+      >>> state = tx.init(params)
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([1.0])}, state)
+      >>> params["w"].tolist(), bool(state.stepped)
+      ([0.0], False)
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([3.0])}, state)
+      >>> params["w"].tolist(), bool(state.stepped)
+      ([-2.0], True)
+
+    Note:
+      A parameter whose gradient is ``None`` in every call of a window is skipped by the
+      step (its value and, for this package's optimizers, its state stay unchanged), as
+      torch skips a parameter whose ``.grad`` stayed ``None``. An optax inner
+      transformation cannot skip a leaf; it receives a zero gradient there.
+      ``optax.MultiSteps`` instead runs the inner optimizer on every call and selects
+      the result, and accumulates in float32 even under x64.
+    """
+    if isinstance(every, bool) or not isinstance(every, int | jnp.integer) or every < 1:
+        raise ValueError(f"every must be an integer >= 1, got {every!r}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    every = int(every)
+    inner_step = getattr(tx.update, STEP_ATTR, None)
+    extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def init(params: PyTree) -> GradAccumulateState:
+        check_params(params)
+        return GradAccumulateState(
+            mini_step=jnp.zeros((), jnp.int32),
+            gradient_step=jnp.zeros((), jnp.int32),
+            acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, _acc_dtype(p.dtype)), params),
+            has_grad=jax.tree.map(lambda p: jnp.zeros((), bool), params),
+            inner_state=tx.init(params),
+        )
+
+    def accumulate(grads, state):
+        acc = jax.tree.map(
+            lambda g, a: a if g is None else a + g.astype(a.dtype), grads, state.acc_grads, is_leaf=is_none
+        )
+        seen = jax.tree.map(
+            lambda g, h: h if g is None else jnp.ones((), bool), grads, state.has_grad, is_leaf=is_none
+        )
+        return acc, seen
+
+    def mean_grads(acc, params):
+        if reduction == "mean" and every > 1:
+            acc = jax.tree.map(lambda a: a / every, acc)
+        return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+
+    def reset(acc, seen):
+        return jax.tree.map(jnp.zeros_like, acc), jax.tree.map(jnp.zeros_like, seen)
+
+    def inner_kwargs(seen, extra_args):
+        return {**extra_args, "grad_mask": seen} if extra_ok else {}
+
+    def branch(stepping, do_step, skip, *operands):
+        # every == 1 steps on every call: no conditional at all
+        if every == 1:
+            return do_step(*operands)
+        return jax.lax.cond(stepping, do_step, skip, *operands)
+
+    def advance(state, stepping, acc, seen, inner):
+        mini = jnp.where(stepping, 0, state.mini_step + 1).astype(jnp.int32)
+        count = state.gradient_step + stepping.astype(jnp.int32)
+        return GradAccumulateState(mini, count, acc, seen, inner)
+
+    def update(grads, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("grad_accumulate: update() needs params")
+        check_like_params(params, grads)
+        acc, seen = accumulate(grads, state)
+        stepping = state.mini_step + 1 >= every
+
+        def do_step(acc, seen, inner):
+            kwargs = inner_kwargs(seen, extra_args)
+            if extra_ok:
+                updates, inner = tx.update(mean_grads(acc, params), inner, params, **kwargs)
+            else:
+                updates, inner = tx.update(mean_grads(acc, params), inner, params)
+            updates = jax.tree.map(lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none)
+            return (updates, *reset(acc, seen), inner)
+
+        def skip(acc, seen, inner):
+            return (jax.tree.map(jnp.zeros_like, params), acc, seen, inner)
+
+        updates, acc, seen, inner = branch(stepping, do_step, skip, acc, seen, state.inner_state)
+        updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
+        return updates, advance(state, stepping, acc, seen, inner)
+
+    def step_fn(params, grads, state, **extra_args):
+        check_like_params(params, grads)
+        acc, seen = accumulate(grads, state)
+        stepping = state.mini_step + 1 >= every
+
+        def do_step(params, acc, seen, inner):
+            kwargs = inner_kwargs(seen, extra_args)
+            if inner_step is not None:
+                params, inner = inner_step(params, mean_grads(acc, params), inner, **kwargs)
+            else:
+                params, inner = _step(tx, params, mean_grads(acc, params), inner, **kwargs)
+            return (params, *reset(acc, seen), inner)
+
+        def skip(params, acc, seen, inner):
+            return params, acc, seen, inner
+
+        params, acc, seen, inner = branch(stepping, do_step, skip, params, acc, seen, state.inner_state)
+        return params, advance(state, stepping, acc, seen, inner)
+
+    setattr(update, STEP_ATTR, step_fn)
+    return optax.GradientTransformationExtraArgs(init, update)
+

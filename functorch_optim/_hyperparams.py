@@ -1,0 +1,244 @@
+"""Hyperparameters as data: the ``HParams`` pytree node, ``get_hparams``, ``set_hparams``.
+
+Every optimizer state of this package holds one ``HParams`` node: its children are the
+numeric hyperparameters as arrays (so a changed value is a changed *input* to a jitted
+step and never a recompilation); its static part names the optimizer, its structural
+flags, the validator that enforces torch's rules and the hyperparameters driven by a
+schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._tree import PyTree, keystr
+
+Validator = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
+
+
+def hparam_dtype() -> jnp.dtype:
+    """float64 when ``jax_enable_x64`` is on (torch's Python floats are doubles), else float32."""
+    return jnp.dtype(jnp.result_type(float))
+
+
+def as_hparam(value: Any, dtype: Any | None = None) -> Any:
+    """A hyperparameter value (a number, 0-d array or tuple of them) as strong-typed arrays."""
+    dtype = hparam_dtype() if dtype is None else dtype
+    if isinstance(value, tuple | list):
+        return tuple(as_hparam(v, dtype) for v in value)
+    arr = jnp.asarray(value, dtype=dtype)
+    if arr.ndim != 0:
+        raise ValueError(f"a hyperparameter must be a scalar, got an array of shape {arr.shape}")
+    return arr
+
+
+def to_python(value: Any) -> Any:
+    """Concrete hyperparameter value(s) as Python floats; tracers are returned as they are."""
+    if isinstance(value, tuple | list):
+        return tuple(to_python(v) for v in value)
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, bool | int | float):
+        return value
+    return float(value)
+
+
+def _has_tracer(value: Any) -> bool:
+    return any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(value))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class HParams(Mapping):
+    """The numeric hyperparameters of one optimizer, as a read-only mapping of arrays.
+
+    Attributes:
+      kind: the optimizer's name (torch's class name, e.g. ``"SGD"``).
+      static: structural flags fixed at construction (e.g. ``nesterov``), as a dict.
+      scheduled: names of hyperparameters that a schedule drives.
+    """
+
+    def __init__(
+        self,
+        values: Mapping[str, Any],
+        kind: str,
+        validator: Validator | None = None,
+        static: Mapping[str, Any] | tuple = (),
+        scheduled: tuple[str, ...] = (),
+    ) -> None:
+        self._values = dict(values)
+        self.kind = kind
+        self.validator = validator
+        self._static = tuple(sorted(dict(static).items()))
+        self.scheduled = tuple(scheduled)
+
+    @property
+    def static(self) -> dict[str, Any]:
+        return dict(self._static)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"HParams({self.kind}, {self._values})"
+
+    def replace(self, **values: Any) -> HParams:
+        """A copy with some values replaced (no validation; see ``set_hparams``)."""
+        return HParams({**self._values, **values}, self.kind, self.validator, self._static, self.scheduled)
+
+    def validate(self, values: Mapping[str, Any]) -> None:
+        """Run torch's checks on ``values`` merged over the current values.
+
+        Skipped when a value is a tracer (hyperparameters differentiated under
+        ``jax.grad``): concrete checks cannot run on abstract values.
+        """
+        if self.validator is None:
+            return
+        merged = {k: to_python(v) for k, v in {**self._values, **values}.items()}
+        if _has_tracer(merged):
+            return
+        self.validator(merged, self.static)
+
+    def tree_flatten_with_keys(self):
+        keys = tuple(sorted(self._values))
+        children = [(jax.tree_util.DictKey(k), self._values[k]) for k in keys]
+        return children, (keys, self.kind, self.validator, self._static, self.scheduled)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, kind, validator, static, scheduled = aux
+        obj = object.__new__(cls)
+        obj._values = dict(zip(keys, children))
+        obj.kind, obj.validator, obj._static, obj.scheduled = kind, validator, static, scheduled
+        return obj
+
+    def __reduce__(self):
+        return (HParams, (self._values, self.kind, self.validator, self._static, self.scheduled))
+
+
+def _is_hparams_node(x: Any) -> bool:
+    return isinstance(x, HParams | optax.InjectHyperparamsState)
+
+
+def _find(state: PyTree) -> list[tuple[tuple, Any]]:
+    nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_hparams_node)[0]
+    return [(path, n) for path, n in nodes if _is_hparams_node(n)]
+
+
+def _only_node(state: PyTree, fn: str) -> tuple[tuple, Any]:
+    nodes = _find(state)
+    if not nodes:
+        raise ValueError(
+            f"{fn}: the state holds no hyperparameters (neither a functorch_optim optimizer "
+            "state nor optax.inject_hyperparams)"
+        )
+    if len(nodes) > 1:
+        where = ", ".join(keystr(path) for path, _ in nodes)
+        raise ValueError(
+            f"{fn}: the state holds hyperparameters of {len(nodes)} optimizers (at {where}); "
+            "pass the sub-state of the one you mean"
+        )
+    return nodes[0]
+
+
+def get_hparams(state: PyTree) -> dict[str, Any]:
+    """The numeric hyperparameters held in an optimizer state.
+
+    Finds the one ``HParams`` node in ``state`` (also inside ``optax.chain`` tuples and
+    ``grad_accumulate`` states), or an ``optax.inject_hyperparams`` state. A value that a
+    schedule drives is the one the *next* step uses (torch's ``get_last_lr()``).
+
+    Args:
+      state: an optimizer state, e.g. from ``tx.init(params)``.
+
+    Returns:
+      A dict from hyperparameter name to a 0-d array (a tuple of them for ``betas``).
+
+    Raises:
+      ValueError: if the state holds no hyperparameters, or those of several optimizers.
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> state = fo.sgd(lr=0.5).init({"w": jnp.zeros(2)})
+      >>> float(fo.get_hparams(state)["lr"])
+      0.5
+    """
+    _, node = _only_node(state, "get_hparams")
+    if isinstance(node, HParams):
+        return dict(node)
+    return dict(node.hyperparams)
+
+
+def set_hparams(state: PyTree, **values: Any) -> PyTree:
+    """A new state with some numeric hyperparameters changed, validated like torch.
+
+    The new values keep the dtype and shape of the old ones, so a jitted step that takes
+    the state sees the same input types and does not recompile. Values may be tracers
+    (e.g. under ``jax.grad`` for meta-learning); torch's checks then cannot run.
+
+    Args:
+      state: an optimizer state holding exactly one set of hyperparameters.
+      **values: new values by torch's names (``lr=0.01``, ``betas=(0.9, 0.99)``).
+
+    Returns:
+      The state with the values replaced; the input state is not modified.
+
+    Raises:
+      ValueError: for an unknown name (the message lists the known ones), a value torch
+        would reject (torch's message, e.g. ``Invalid learning rate: -1.0``), a
+        hyperparameter driven by a schedule, or a state without (or with several sets
+        of) hyperparameters. Nothing is changed when it raises.
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> state = fo.sgd(lr=0.1, momentum=0.9).init({"w": jnp.zeros(2)})
+      >>> state = fo.set_hparams(state, lr=0.01)
+      >>> round(float(fo.get_hparams(state)["lr"]), 6)
+      0.01
+    """
+    path, node = _only_node(state, "set_hparams")
+    known = tuple(node) if isinstance(node, HParams) else tuple(node.hyperparams)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"set_hparams: unknown hyperparameter(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(known)}"
+        )
+    current = dict(node) if isinstance(node, HParams) else dict(node.hyperparams)
+    if isinstance(node, HParams):
+        driven = sorted(set(values) & set(node.scheduled))
+        if driven:
+            raise ValueError(
+                f"set_hparams: {', '.join(driven)} is driven by a schedule and cannot be set"
+            )
+        node.validate(values)
+
+    def convert(name: str, new: Any) -> Any:
+        old = current[name]
+        if isinstance(old, tuple):
+            if not isinstance(new, tuple | list) or len(new) != len(old):
+                raise ValueError(f"set_hparams: {name} must be a sequence of {len(old)} numbers")
+            return tuple(jnp.asarray(n, dtype=o.dtype).reshape(o.shape) for n, o in zip(new, old))
+        return jnp.asarray(new, dtype=old.dtype).reshape(jnp.shape(old))
+
+    new_values = {k: convert(k, v) for k, v in values.items()}
+    if isinstance(node, HParams):
+        new_node = node.replace(**new_values)
+    else:
+        new_node = node._replace(hyperparams={**node.hyperparams, **new_values})
+    return _replace_at(state, path, new_node)
+
+
+def _replace_at(tree: PyTree, path: tuple, new: Any) -> PyTree:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_hparams_node)
+    return jax.tree_util.tree_unflatten(treedef, [new if p == path else x for p, x in leaves])

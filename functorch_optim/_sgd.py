@@ -1,0 +1,155 @@
+"""SGD with momentum, dampening, Nesterov and weight decay, as ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._hyperparams import to_python
+from functorch_optim._tree import opmath_dtype
+
+
+def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
+    lr, momentum, dampening, weight_decay = hp["lr"], hp["momentum"], hp["dampening"], hp["weight_decay"]
+    if lr < 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if momentum < 0.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+    if weight_decay < 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if static["nesterov"] and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    if momentum != 0 and not static["has_momentum"]:
+        raise ValueError(
+            f"Invalid momentum value: {momentum} for an SGD built with momentum=0, which keeps "
+            "no momentum buffer; build it with momentum > 0 to change momentum later"
+        )
+
+
+def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+    return {"momentum_buffer": jnp.zeros_like(param)} if static["has_momentum"] else {}
+
+
+def _step_leaf(param, grad, buffers, step, hp, static):
+    dtype = param.dtype
+    ct = opmath_dtype(dtype)
+
+    def c(x):
+        return jnp.asarray(x).astype(ct)
+
+    grad = grad.astype(dtype)
+    if static["maximize"]:
+        grad = -grad
+    wd = hp["weight_decay"]
+    # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
+    grad = jnp.where(wd != 0, (c(grad) + c(wd) * c(param)).astype(dtype), grad)
+    out = {}
+    if static["has_momentum"]:
+        momentum = hp["momentum"]
+        buf = buffers["momentum_buffer"]
+        # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening), each op rounded
+        decayed = (c(buf) * c(momentum)).astype(dtype)
+        new_buf = (c(decayed) + c(1 - hp["dampening"]) * c(grad)).astype(dtype)
+        # torch seeds a missing buffer with the raw gradient: dampening skipped on step 1
+        new_buf = jnp.where(step == 1, grad, new_buf)
+        if static["nesterov"]:
+            direction = (c(grad) + c(momentum) * c(new_buf)).astype(dtype)
+        else:
+            direction = new_buf
+        # torch skips the buffer entirely while momentum == 0 (set through set_hparams)
+        use = momentum != 0
+        out["momentum_buffer"] = jnp.where(use, new_buf, buf)
+        grad = jnp.where(use, direction, grad)
+    new_param = (c(param) + c(-hp["lr"]) * c(grad)).astype(dtype)
+    return new_param, out
+
+
+SGD_ALGORITHM = Algorithm("SGD", _validate, _init_leaf, _step_leaf)
+
+
+def sgd(
+    lr: Any = 1e-3,
+    momentum: Any = 0,
+    dampening: Any = 0,
+    weight_decay: Any = 0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    differentiable: bool = False,
+    fused: bool | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Stochastic gradient descent with torch's exact semantics (``torch.optim.SGD``).
+
+    For each parameter :math:`\theta` with gradient :math:`g_t` (parameters whose gradient
+    is ``None`` are skipped, state included):
+
+    .. math::
+
+        g_t &\leftarrow -g_t \quad \text{if maximize} \\
+        g_t &\leftarrow g_t + \lambda \theta_{t-1} \quad \text{if } \lambda \ne 0 \\
+        b_t &\leftarrow \begin{cases} g_t & \text{first gradient of } \theta \\
+                       \mu b_{t-1} + (1 - \tau) g_t & \text{otherwise} \end{cases} \\
+        g_t &\leftarrow g_t + \mu b_t \ \text{if nesterov, else}\ b_t
+              \quad (\text{if } \mu \ne 0) \\
+        \theta_t &\leftarrow \theta_{t-1} - \gamma g_t
+
+    with :math:`\gamma` = ``lr``, :math:`\mu` = ``momentum``, :math:`\tau` = ``dampening``,
+    :math:`\lambda` = ``weight_decay``.
+
+    Args:
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
+        schedule ``count -> value``.
+      momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
+        at all; a momentum set later through ``set_hparams`` must then stay 0.
+      dampening: dampening :math:`\tau` for momentum, default 0.
+      weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+      nesterov: use Nesterov momentum, default False (static).
+      maximize: maximize the objective instead of minimizing, default False (static).
+      foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
+      differentiable: accepted for torch compatibility; every step is differentiable.
+      fused: accepted for torch compatibility; no effect.
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
+      ``buffers["momentum_buffer"]`` (when momentum > 0) and ``buffers["step"]``, the
+      number of gradients each parameter has received (torch keeps no ``step`` for SGD;
+      it is how the first-gradient rule survives ``jit``).
+
+    Raises:
+      ValueError: ``Invalid learning rate: {lr}``, ``Invalid momentum value: {momentum}``,
+        ``Invalid weight_decay value: {weight_decay}``, ``Nesterov momentum requires a
+        momentum and zero dampening`` (torch's texts).
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.sgd(lr=0.1, momentum=0.9, dampening=0.5)
+      >>> params = {"w": jnp.array([1.0])}
+      >>> state = tx.init(params)
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([1.0])}, state)
+      >>> state.momentum_buffer["w"].tolist()  # step 1: the raw gradient, no dampening
+      [1.0]
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([1.0])}, state)
+      >>> state.momentum_buffer["w"].tolist()  # 0.9 * 1 + 0.5 * 1
+      [1.4]
+
+    Note:
+      optax's ``sgd(momentum=...)`` starts its trace at zero and has no dampening; torch
+      (and this function) seed the buffer with the first gradient and apply
+      ``1 - dampening`` only from the second step on. The two agree only for
+      ``dampening=0``.
+
+    References:
+      Sutskever et al., "On the importance of initialization and momentum in deep
+      learning", ICML 2013. Mirrors ``torch.optim.SGD`` (``_single_tensor_sgd``).
+    """
+    del foreach, differentiable, fused
+    hparams = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
+    has_momentum = callable(momentum) or to_python(momentum) != 0
+    static = {"nesterov": bool(nesterov), "maximize": bool(maximize), "has_momentum": has_momentum}
+    return make_optimizer(SGD_ALGORITHM, hparams, static)

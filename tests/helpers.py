@@ -1,0 +1,103 @@
+"""Shared test utilities: pytree shapes, random gradient streams, torch runners, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Pytree shapes the parity suites run on: nested dicts/lists/tuples and 0-d leaves.
+TREE_SHAPES: dict[str, Any] = {
+    "single": (5,),
+    "nested": {"layer": {"w": (3, 4), "b": (4,)}, "scale": ()},
+    "mixed": [(2, 3), ((4,), (1, 2, 2)), {"s": ()}],
+}
+
+
+def make_tree(shape_tree: Any, rng: np.random.Generator, dtype: Any = np.float64) -> Any:
+    """A pytree of random numpy arrays following ``shape_tree`` (tuples of ints are shapes)."""
+
+    def is_shape(x):
+        return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+    return jax.tree.map(
+        lambda s: rng.standard_normal(s).astype(dtype), shape_tree, is_leaf=is_shape
+    )
+
+
+def grad_stream(
+    params: Any, steps: int, seed: int, none_every: int = 0, dtype: Any = np.float64
+) -> list[Any]:
+    """``steps`` random gradient trees like ``params``.
+
+    With ``none_every = k > 0``, leaf ``i`` gets ``None`` on steps where
+    ``(step + i) % k == 0`` — so different leaves miss different steps, and the first
+    leaf misses step 0 (its first gradient arrives late).
+    """
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(params)
+    out = []
+    for t in range(steps):
+        gs = []
+        for i, p in enumerate(leaves):
+            if none_every and (t + i) % none_every == 0:
+                gs.append(None)
+            else:
+                gs.append(rng.standard_normal(np.shape(p)).astype(dtype))
+        out.append(treedef.unflatten(gs))
+    return out
+
+
+def rel_err(a: Any, b: Any) -> float:
+    """Max over leaves of ``max|a - b| / max(max|b|, tiny)``, in float64."""
+    errs = []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x = np.asarray(x, np.float64)
+        y = np.asarray(y, np.float64)
+        scale = max(np.max(np.abs(y)) if y.size else 0.0, 1e-300)
+        errs.append(float(np.max(np.abs(x - y)) / scale) if x.size else 0.0)
+    return max(errs) if errs else 0.0
+
+
+def to_jax(tree: Any) -> Any:
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def run_torch(
+    make_opt: Callable[[Sequence[Any]], Any],
+    params: Any,
+    grads: Sequence[Any],
+    buffer_names: Sequence[str] = (),
+    dtype: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Run a torch optimizer on ``params`` (a numpy pytree) over a gradient stream.
+
+    ``None`` gradient leaves are left as ``p.grad = None``. Returns the final params
+    and, per name in ``buffer_names``, the buffer tree (``None`` where torch has none).
+    """
+    import torch
+
+    leaves, treedef = jax.tree.flatten(params)
+    tensors = [torch.tensor(np.asarray(p, dtype=dtype) if dtype else np.asarray(p)) for p in leaves]
+    for t in tensors:
+        t.requires_grad_(True)
+    opt = make_opt(tensors)
+    for g in grads:
+        g_leaves = treedef.flatten_up_to(g)
+        for t, gl in zip(tensors, g_leaves):
+            t.grad = None if gl is None else torch.tensor(np.asarray(gl, dtype=np.asarray(t.detach()).dtype))
+        opt.step()
+    final = treedef.unflatten([t.detach().numpy().copy() for t in tensors])
+    buffers = {
+        name: treedef.unflatten(
+            [
+                opt.state[t][name].detach().numpy().copy() if name in opt.state.get(t, {}) else None
+                for t in tensors
+            ]
+        )
+        for name in buffer_names
+    }
+    return final, buffers
