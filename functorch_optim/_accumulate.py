@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._base import STEP_ATTR, step as _step
+from functorch_optim._base import STEP_ATTR
+from functorch_optim._base import step as _step
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
 
@@ -159,7 +160,9 @@ def grad_accumulate(
                 updates, inner = tx.update(mean_grads(acc, params), inner, params, **kwargs)
             else:
                 updates, inner = tx.update(mean_grads(acc, params), inner, params)
-            updates = jax.tree.map(lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none)
+            updates = jax.tree.map(
+                lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
+            )
             return (updates, *reset(acc, seen), inner)
 
         def skip(acc, seen, inner):
@@ -190,4 +193,3 @@ def grad_accumulate(
 
     setattr(update, STEP_ATTR, step_fn)
     return optax.GradientTransformationExtraArgs(init, update)
-

@@ -127,7 +127,7 @@ class HParams(Mapping):
 
 
 def _is_hparams_node(x: Any) -> bool:
-    return isinstance(x, HParams | optax.InjectHyperparamsState)
+    return isinstance(x, HParams | optax.InjectHyperparamsState | optax.InjectStatefulHyperparamsState)
 
 
 def _find(state: PyTree) -> list[tuple[tuple, Any]]:
@@ -218,9 +218,7 @@ def set_hparams(state: PyTree, **values: Any) -> PyTree:
     if isinstance(node, HParams):
         driven = sorted(set(values) & set(node.scheduled))
         if driven:
-            raise ValueError(
-                f"set_hparams: {', '.join(driven)} is driven by a schedule and cannot be set"
-            )
+            raise ValueError(f"set_hparams: {', '.join(driven)} is driven by a schedule and cannot be set")
         node.validate(values)
 
     def convert(name: str, new: Any) -> Any:

@@ -54,9 +54,7 @@ def _sgd_grid() -> tuple[dict[str, Any], ...]:
     return tuple(c for c in grid if not c["nesterov"] or (c["momentum"] > 0 and c["dampening"] == 0))
 
 
-OPTIMIZERS: tuple[OptimizerSpec, ...] = (
-    OptimizerSpec("sgd", sgd, "SGD", ("momentum_buffer",), _sgd_grid()),
-)
+OPTIMIZERS: tuple[OptimizerSpec, ...] = (OptimizerSpec("sgd", sgd, "SGD", ("momentum_buffer",), _sgd_grid()),)
 
 
 def get_spec(name: str) -> OptimizerSpec:

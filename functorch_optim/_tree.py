@@ -51,8 +51,7 @@ def check_params(params: PyTree) -> None:
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             kind = f"dtype {dtype}" if dtype is not None else f"type {type(leaf).__name__}"
             raise ValueError(
-                f"parameter at {keystr(path)} has {kind}; only floating point arrays can be "
-                "optimized"
+                f"parameter at {keystr(path)} has {kind}; only floating point arrays can be optimized"
             )
 
 

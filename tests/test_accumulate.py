@@ -1,0 +1,166 @@
+"""grad_accumulate: equal to one large batch, micro-steps inert, one accumulator, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functorch_optim as fo
+from tests.helpers import rel_err
+
+K, B, STEPS = 4, 8, 3
+
+
+def _mlp_params(rng):
+    return {
+        "hidden": {"w": jnp.asarray(rng.standard_normal((5, 16)) * 0.5), "b": jnp.zeros(16)},
+        "out": {"w": jnp.asarray(rng.standard_normal((16, 1)) * 0.5), "b": jnp.zeros(1)},
+    }
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"][None, :])
+    pred = h @ params["out"]["w"] + params["out"]["b"][None, :]
+    return jnp.mean((pred - y) ** 2)
+
+
+def _data(rng):
+    x = rng.standard_normal((STEPS, K * B, 5))
+    y = np.sin(x.sum(-1, keepdims=True))
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+INNERS = {
+    "fo.sgd": lambda: fo.sgd(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.01),
+    "optax.adam": lambda: optax.adam(1e-2),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("inner", list(INNERS))
+@pytest.mark.parametrize("via", ["step", "update"])
+def test_equals_one_large_batch(inner, reduction, via):
+    rng = np.random.default_rng(0)
+    params0 = _mlp_params(rng)
+    x, y = _data(rng)
+    grad = jax.jit(jax.grad(_loss))
+    # "sum" adds the micro-batch gradients: the large-batch loss is then k times the mean
+    scale = K if reduction == "sum" else 1
+
+    big_tx = INNERS[inner]()
+    big, big_state = params0, big_tx.init(params0)
+    for t in range(STEPS):
+        g = jax.tree.map(lambda v: v * scale, grad(big, x[t], y[t]))
+        big, big_state = fo.step(big_tx, big, g, big_state)
+
+    tx = fo.grad_accumulate(INNERS[inner](), every=K, reduction=reduction)
+    if via == "step":
+        step = jax.jit(functools.partial(fo.step, tx))
+    else:
+
+        @jax.jit
+        def step(params, grads, state):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+    small, state = params0, tx.init(params0)
+    for t in range(STEPS):
+        for i in range(K):
+            g = grad(small, x[t, i * B : (i + 1) * B], y[t, i * B : (i + 1) * B])
+            before = small
+            small, state = step(small, g, state)
+            assert bool(state.stepped) == (i == K - 1)
+            if i < K - 1:
+                assert all(
+                    a.tobytes() == b.tobytes()
+                    for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(before))
+                )
+    assert int(state.gradient_step) == STEPS
+    err = rel_err(small, big)
+    assert err <= 1e-12, err
+    assert rel_err(small, params0) > 1e-3
+
+
+def test_micro_steps_give_zero_updates_and_leave_inner_state():
+    params = {"w": jnp.ones(3)}
+    tx = fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9), every=3)
+    state = tx.init(params)
+    inner0 = state.inner_state
+    updates, state = jax.jit(tx.update)({"w": jnp.full(3, 2.0)}, state, params)
+    np.testing.assert_array_equal(updates["w"], np.zeros(3))
+    for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(inner0)):
+        assert a.tobytes() == b.tobytes()
+    np.testing.assert_array_equal(state.acc_grads["w"], [2.0, 2.0, 2.0])
+    assert int(state.mini_step) == 1 and not bool(state.stepped)
+
+
+def test_state_holds_one_accumulator_and_scalars():
+    params = {"a": jnp.zeros((10, 10)), "b": jnp.zeros(7)}
+    tx = fo.grad_accumulate(optax.sgd(0.1), every=4)
+    state = tx.init(params)
+    own = (state.mini_step, state.gradient_step, state.acc_grads, state.has_grad)
+    sizes = [x.size for x in jax.tree.leaves(own)]
+    assert sum(sizes) == 100 + 7 + 2 + 2  # one accumulator, two counters, a flag per leaf
+
+
+def test_bf16_gradients_accumulate_in_float32():
+    params = {"w": jnp.zeros(4, jnp.bfloat16)}
+    tx = fo.grad_accumulate(fo.sgd(lr=1.0), every=256, reduction="sum")
+    state = tx.init(params)
+    assert state.acc_grads["w"].dtype == jnp.float32
+    step = jax.jit(functools.partial(fo.step, tx))
+    small = {"w": jnp.full(4, 1e-2, jnp.bfloat16)}
+    for _ in range(255):
+        params, state = step(params, small, state)
+    # 255 * bf16(0.01) summed in float32; a bf16 running sum would stall near 2.0
+    expected = 255 * float(jnp.asarray(1e-2, jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(state.acc_grads["w"]), expected, rtol=1e-6)
+
+
+def test_none_gradients_skip_parameter_like_torch():
+    params = {"frozen": jnp.ones(2), "live": jnp.ones(2)}
+    tx = fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, weight_decay=0.5), every=2)
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = fo.step(tx, params, {"frozen": None, "live": jnp.ones(2)}, state)
+    np.testing.assert_array_equal(params["frozen"], [1.0, 1.0])
+    assert int(state.inner_state.step["frozen"]) == 0
+    # a gradient in any call of the window counts, even if the stepping call has none
+    tx2 = fo.grad_accumulate(fo.sgd(lr=0.1), every=2)
+    p2 = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
+    s2 = tx2.init(p2)
+    p2, s2 = fo.step(tx2, p2, {"a": jnp.ones(1), "b": jnp.ones(1)}, s2)
+    p2, s2 = fo.step(tx2, p2, {"a": None, "b": jnp.ones(1)}, s2)
+    np.testing.assert_allclose(p2["a"], [-0.05])
+    np.testing.assert_allclose(p2["b"], [-0.1])
+
+
+def test_inner_schedule_advances_per_optimizer_step_only():
+    tx = fo.grad_accumulate(fo.sgd(lr=lambda count: 0.1 / (1 + count)), every=3)
+    params = {"w": jnp.zeros(1)}
+    state = tx.init(params)
+    for _ in range(6):
+        params, state = fo.step(tx, params, {"w": jnp.ones(1)}, state)
+    # two optimizer steps: lr 0.1 then 0.05; the next would be 0.1 / 3
+    np.testing.assert_allclose(params["w"], [-0.15])
+    np.testing.assert_allclose(float(fo.get_hparams(state)["lr"]), 0.1 / 3)
+
+
+@pytest.mark.parametrize(
+    ("every", "reduction", "message"),
+    [
+        (0, "mean", "every must be an integer >= 1, got 0"),
+        (2.5, "mean", "every must be an integer >= 1, got 2.5"),
+        (True, "mean", "every must be an integer >= 1, got True"),
+        (2, "avg", "reduction must be 'mean' or 'sum', got 'avg'"),
+    ],
+)
+def test_errors(every, reduction, message):
+    with pytest.raises(ValueError) as err:
+        fo.grad_accumulate(fo.sgd(), every=every, reduction=reduction)
+    assert str(err.value) == message
