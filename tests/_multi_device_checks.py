@@ -234,8 +234,42 @@ def check_devices(names):
             "shardings_unchanged": same,
         }
         out[name] = res
+    out["explicit_dp_sgd"] = check_explicit_mesh()
     out["abstract"] = check_abstract(names)
     return out
+
+
+def check_explicit_mesh():
+    """Plain data parallelism on an Explicit mesh axis (default layout, no ZeRO)."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import functorch_optim as fo
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rep, dsh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params0, batches = make_problem()
+    p_sh = jax.tree.map(lambda _: rep, params0)
+    tx = make_tx("sgd")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params0, p_sh)
+        state = tx.init(params)
+        s_sh = fo.state_shardings(tx, params)
+        step = jax.jit(
+            lambda p, s, b: fo.step(tx, p, jax.grad(loss_fn)(p, b), s),
+            in_shardings=(p_sh, s_sh, (dsh, dsh)),
+            out_shardings=(p_sh, s_sh),
+            donate_argnums=(0, 1),
+        )
+        for b in batches:
+            params, state = step(params, state, jax.device_put(b, (dsh, dsh)))
+    ref_p, ref_s = reference("sgd")
+    return {
+        "param_err": rel_err(params, ref_p),
+        "state_err": rel_err(state, ref_s),
+        "shardings_unchanged": shardings_equal(jax.tree.map(lambda a: a.sharding, state), s_sh),
+    }
 
 
 def check_abstract(names):

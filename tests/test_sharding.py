@@ -77,6 +77,12 @@ def test_data_parallel_step_equals_single_device(eight, name):
     assert dp["collectives"]["all-reduce"] >= 1
 
 
+def test_data_parallel_on_an_explicit_mesh_axis(eight):
+    res = eight["explicit_dp_sgd"]
+    assert res["param_err"] < TOL and res["state_err"] < TOL
+    assert res["shardings_unchanged"]
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_zero1_equals_unsharded_and_divides_state_memory(eight, name):
     res = eight[name]
