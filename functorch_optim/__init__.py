@@ -7,6 +7,7 @@ from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
 from functorch_optim._base import TorchState, apply_updates, step
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
 from functorch_optim._sgd import sgd
+from functorch_optim._sharding import data_parallel_grad, state_shardings
 
 __version__ = "0.1.0"
 
@@ -15,9 +16,11 @@ __all__ = [
     "HParams",
     "TorchState",
     "apply_updates",
+    "data_parallel_grad",
     "get_hparams",
     "grad_accumulate",
     "set_hparams",
     "sgd",
+    "state_shardings",
     "step",
 ]

@@ -10,6 +10,7 @@ import optax
 
 from functorch_optim._base import STEP_ATTR
 from functorch_optim._base import step as _step
+from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
 
@@ -192,4 +193,4 @@ def grad_accumulate(
         return params, advance(state, stepping, acc, seen, inner)
 
     setattr(update, STEP_ATTR, step_fn)
-    return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(sharded_init(init), update)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._hyperparams import HParams, Validator, as_hparam, to_python
+from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
 StepFn = Callable[..., tuple[PyTree, PyTree]]
@@ -161,7 +162,8 @@ def make_optimizer(
         return updates, state
 
     setattr(update, STEP_ATTR, step_fn)
-    return optax.GradientTransformationExtraArgs(init, update)
+    # sharded or abstract params: each state leaf is created with its parameter's sharding
+    return optax.GradientTransformationExtraArgs(sharded_init(init), update)
 
 
 def _buffer_names(leaf_buffers: PyTree, params: PyTree) -> list[str]:
