@@ -8,6 +8,9 @@ from functorch_optim._base import TorchState, apply_updates, step
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
 from functorch_optim._sgd import sgd
 
+# the torch.optim-shaped facade, a subpackage (imported last: it builds on the above)
+from functorch_optim import optim  # isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -17,6 +20,7 @@ __all__ = [
     "apply_updates",
     "get_hparams",
     "grad_accumulate",
+    "optim",
     "set_hparams",
     "sgd",
     "step",

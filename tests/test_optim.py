@@ -757,7 +757,7 @@ def test_invalid_param_group_assignment_raises_at_step_and_changes_nothing():
     before = snapshot(opt)
     opt.param_groups[0]["momentum"] = 0.5  # valid, but group 1 fails: neither is applied
     opt.param_groups[1]["lr"] = -1.0
-    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         opt.step()
     after = snapshot(opt)
     for x, y in zip(before[0] + before[1], after[0] + after[1], strict=True):
