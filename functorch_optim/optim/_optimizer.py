@@ -200,13 +200,26 @@ def _backward(loss_fn, layout, params, grads, args, kwargs):
     return loss, acc
 
 
+#: Transformations by (algorithm, state structure): two with equal keys step identically
+#: (the step reads numeric hyperparameters from the state; everything else it uses is the
+#: algorithm and the static flags, which the state's structure carries), so optimizers
+#: of the same configuration share one compiled step, across instances too.
+_TX_CACHE: dict[tuple[Any, Any], Any] = {}
+
+
+def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
+    """The cached transformation equivalent to ``tx`` (``tx`` itself the first time)."""
+    if any(callable(v) for v in config.values()):  # a schedule: its function is in the closure
+        return tx
+    algorithm = getattr(tx.update, ALGORITHM_ATTR)
+    try:
+        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state)), tx)
+    except TypeError:  # unhashable static metadata: no sharing
+        return tx
+
+
 _STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
 _BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
-
-
-def compiled_count() -> int:
-    """How many distinct compilations the facade's jitted step and backward hold (all instances)."""
-    return _STEP._cache_size() + _BACKWARD._cache_size()
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,7 +287,9 @@ class Optimizer:
     parameter-group dicts ``[{"params": pytree, "lr": 0.01, …}, …]`` (each overriding
     any hyperparameter), or ``group_by(pytree, {"where": regex_or_predicate, …})``.
     The optimizer copies the parameters; ``opt.params`` returns the current ones in the
-    structure given (for a list of groups: the list of the groups' pytrees).
+    structure given (for a list of groups: the list of the groups' pytrees). Under
+    ``group_by``, each group's own tree (``param_groups[i]["params"]``, and the buffers
+    of its state) is the tuple of its leaves, like torch's list of tensors.
 
     Parameter order (the integer ids of ``state_dict()``, torch's numbering): group by
     group in ``param_groups`` order; within a group, ``jax.tree.leaves`` order of its
@@ -345,7 +360,7 @@ class Optimizer:
         self._layout = layout
         self._params = [jax.tree.map(_copy_leaf, tree) for tree in trees]
         self._states = [tx.init(tree) for tx, tree in zip(txs, self._params, strict=True)]
-        self._txs = txs
+        self._txs = [_shared(tx, st, g) for tx, st, g in zip(txs, self._states, groups, strict=True)]
         self._algorithms = algorithms
         self._numeric = [frozenset(s.hparams) for s in self._states]
         self._none_grads = [jax.tree.map(lambda _: None, tree) for tree in self._params]
@@ -576,7 +591,7 @@ class Optimizer:
         fresh = tx.init(self._params[g])
         old = self._states[g]
         buffers = {n: old.buffers.get(n, b) for n, b in fresh.buffers.items()}
-        return tx, TorchState(fresh.hparams, old.count, buffers)
+        return _shared(tx, fresh, config), TorchState(fresh.hparams, old.count, buffers)
 
     # -- torch's state_dict ---------------------------------------------------------------
 
@@ -593,7 +608,6 @@ class Optimizer:
         Returns:
           The state dict; it can be pickled, and loaded by ``load_state_dict``.
         """
-        self._sync_groups()
         state: dict[int, dict[str, Any]] = {}
         groups = []
         start = 0
@@ -668,7 +682,7 @@ class Optimizer:
             candidate = factory(**{k: config[k] for k in self._factory_params})
             fresh = candidate.init(self._params[g])
             same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
-            tx = self._txs[g] if same else candidate
+            tx = self._txs[g] if same else _shared(candidate, fresh, config)
             state = self._state_from_entries(g, fresh, entries[g])
             new.append((g, tx, state, config))
         for g, tx, state, config in new:
