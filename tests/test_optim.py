@@ -614,6 +614,20 @@ def test_state_round_trips_through_pickle_bit_exactly():
         np.testing.assert_array_equal(a, b)
 
 
+def test_whole_optimizer_pickles_and_resumes_bit_exactly():
+    opt, _, stream = trained_two_group_optimizer()
+    copy_ = pickle.loads(pickle.dumps(opt))
+    assert type(copy_) is SGD and copy_.param_groups[1]["nesterov"] is True
+    for grads in stream[27:]:
+        for o in (opt, copy_):
+            o.grad = grads
+            o.step()
+    for a, b in zip(jax.tree.leaves(copy_.state), jax.tree.leaves(opt.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(copy_.params), jax.tree.leaves(opt.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_state_round_trips_through_orbax_and_training_continues(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     opt, groups, stream = trained_two_group_optimizer()

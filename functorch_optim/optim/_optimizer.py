@@ -92,7 +92,7 @@ def path_name(path: tuple) -> str:
     return ".".join(parts)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class GroupedParams:
     """One pytree split into parameter groups; built by ``group_by``, passed as ``params``.
 
@@ -729,6 +729,20 @@ class Optimizer:
         count = jnp.asarray(max(steps, default=0), jnp.int32)
         return TorchState(fresh.hparams, count, {n: buffers[n] for n in fresh.buffers})
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the transformations are closures: rebuilt from the applied configuration on load
+        state = dict(self.__dict__)
+        del state["_txs"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        factory = type(self).factory
+        self._txs = [
+            _shared(factory(**applied), st, applied)
+            for applied, st in zip(self._applied, self._states, strict=True)
+        ]
+
     def __repr__(self) -> str:
         lines = [type(self).__name__ + " ("]
         for i, group in enumerate(self.param_groups):
@@ -807,15 +821,21 @@ def make_optimizer_class(
     __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("self", kind), inspect.Parameter("params", kind), *fparams]
     )
-    shown = ", ".join(str(p) for p in fparams)
+    plain = inspect.Signature([p.replace(annotation=inspect.Parameter.empty) for p in fparams])
+    shown = str(plain)[1:-1]
     flags = ", ".join(f"``{f}``" for f in TORCH_ONLY_FLAGS if f in factory_sig.parameters)
     doc = (
         f"``torch.optim.{name}`` on JAX: the imperative facade over ``functorch_optim.{fname}``.\n\n"
-        f"``{name}(params, {shown})``: torch's arguments, names and defaults; see\n"
-        f"``functorch_optim.{fname}`` for the update rule and every argument.\n"
-        + (f"{flags} are accepted for torch compatibility and have no effect.\n" if flags else "")
-        + "``params``, param groups, ``zero_grad``/``backward``/``step`` and ``state_dict``\n"
-        "are ``functorch_optim.optim.Optimizer``'s.\n"
+        f"``{name}(params, {shown})``\n\n"
+        f"torch's arguments, names and defaults. The update rule, every hyperparameter and\n"
+        f"torch's error messages are ``functorch_optim.{fname}``'s; parameters, groups,\n"
+        "``zero_grad``/``backward``/``step`` and ``state_dict`` are\n"
+        "``functorch_optim.optim.Optimizer``'s.\n\n"
+        "Args:\n"
+        "  params: one pytree of floating point arrays, torch's list of parameter-group\n"
+        "    dicts (each may override any argument below), or ``group_by(tree, ...)``.\n"
+        f"  **hyperparameters: as ``functorch_optim.{fname}``"
+        + (f"; {flags} are accepted for torch\n    compatibility and have no effect.\n" if flags else ".\n")
     )
     namespace = {
         "__init__": __init__,
