@@ -790,6 +790,31 @@ def test_invalid_param_group_assignment_raises_at_step_and_changes_nothing():
     assert float(fo.get_hparams(opt.state[0])["momentum"]) == 0.9
 
 
+def test_add_param_group_like_torch():
+    w0, b0, extra0 = np.array([1.0, 2.0]), np.array([0.5]), np.array([[1.0, -1.0]])
+    opt = SGD([{"params": {"w": w0}}], lr=0.1, momentum=0.9, foreach=False)
+    tw, tb, te = torch_tensors([w0, b0, extra0])
+    t_opt = torch.optim.SGD([tw], lr=0.1, momentum=0.9, foreach=False)
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group({"params": [opt.params[0]["w"]]})
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        opt.add_param_group({"params": [b0], "betas": (0.9, 0.9)})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [b0, extra0], "lr": 0.5})
+    t_opt.add_param_group({"params": [tb, te], "lr": 0.5})
+    grads = [{"w": np.array([1.0, -1.0])}, [np.array([2.0]), np.array([[0.5, 0.25]])]]
+    for _ in range(3):
+        opt.grad = grads
+        opt.step()
+        for t, g in zip([tw, tb, te], [grads[0]["w"], *grads[1]], strict=True):
+            t.grad = torch.tensor(g)
+        t_opt.step()
+    assert rel_err(jax.tree.leaves(opt.params), [t.detach().numpy() for t in (tw, tb, te)]) <= 1e-15
+    assert opt.state_dict()["param_groups"] == t_opt.state_dict()["param_groups"]
+    with pytest.raises(TypeError, match="built from one pytree"):
+        SGD({"w": w0}).add_param_group({"params": [b0]})
+
+
 def test_grad_and_state_setters_validate():
     opt = two_group_opt()
     before = snapshot(opt)

@@ -337,15 +337,8 @@ class Optimizer:
         self.defaults = dict(defaults)
         self._factory_params = tuple(p.name for p in _factory_parameters(factory))
         layout, trees, overrides = self._split(params)
-        allowed = set(self._factory_params) | set(_GROUP_KEYS)
         for i, over in enumerate(overrides):
-            unknown = sorted(set(over) - allowed)
-            if unknown:
-                raise ValueError(
-                    f"parameter group {i} has unknown hyperparameter(s) "
-                    f"{', '.join(map(repr, unknown))}; {type(self).__name__} accepts: "
-                    f"{', '.join(self._factory_params)}"
-                )
+            self._check_keys(i, over)
         for tree in trees:
             check_params(tree)
         self._check_duplicates(trees)
@@ -373,6 +366,67 @@ class Optimizer:
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
 
     # -- construction helpers -----------------------------------------------------------
+
+    def _check_keys(self, index: int, overrides: Mapping[str, Any]) -> None:
+        unknown = sorted(set(overrides) - set(self._factory_params) - set(_GROUP_KEYS))
+        if unknown:
+            raise ValueError(
+                f"parameter group {index} has unknown hyperparameter(s) "
+                f"{', '.join(map(repr, unknown))}; {type(self).__name__} accepts: "
+                f"{', '.join(self._factory_params)}"
+            )
+
+    def add_param_group(self, param_group: Mapping[str, Any]) -> None:
+        """Append a parameter group, as torch's ``add_param_group`` (e.g. to unfreeze layers).
+
+        Only for an optimizer built from torch's list of group dicts: ``opt.params``,
+        ``opt.grad`` and ``param_groups`` grow by one entry; the new parameters get ids
+        after the existing ones.
+
+        Args:
+          param_group: ``{"params": pytree, **overrides}``; missing hyperparameters take
+            the optimizer's defaults.
+
+        Raises:
+          TypeError: for an optimizer built from one pytree, or a group that is not a
+            dict with ``"params"``.
+          ValueError: unknown hyperparameter keys, torch's messages for invalid values,
+            ``optimizer got an empty parameter list`` for a group without leaves, or
+            ``some parameters appear in more than one parameter group`` for arrays this
+            optimizer already holds. Nothing changes when it raises.
+        """
+        if self._layout.kind != "groups":
+            raise TypeError(
+                "add_param_group needs an optimizer built from torch's list of parameter-group "
+                "dicts; this one was built from one pytree"
+            )
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with a 'params' entry, got {param_group!r}")
+        overrides = {k: v for k, v in param_group.items() if k != "params"}
+        self._check_keys(len(self.param_groups), overrides)
+        tree = param_group["params"]
+        check_params(tree)
+        held = {id(x) for t in self._params for x in jax.tree.leaves(t)}
+        self._check_duplicates([tree])
+        if any(id(x) in held for x in jax.tree.leaves(tree)):
+            raise ValueError("some parameters appear in more than one parameter group")
+        factory = type(self).factory
+        config = {**self.defaults, **overrides}
+        tx = factory(**{k: config[k] for k in self._factory_params})
+        algorithm = _algorithm_of(tx, factory)
+        params = jax.tree.map(_copy_leaf, tree)
+        state = tx.init(params)
+        self._layout = _Layout("groups", len(self.param_groups) + 1)
+        self._params.append(params)
+        self._states.append(state)
+        self._txs.append(_shared(tx, state, config))
+        self._algorithms.append(algorithm)
+        self._numeric.append(frozenset(state.hparams))
+        self._none_grads.append(jax.tree.map(lambda _: None, params))
+        self._grads.append(self._none_grads[-1])
+        self._sizes.append(len(jax.tree.leaves(params)))
+        self.param_groups.append({"params": params, **config})
+        self._applied.append({k: config[k] for k in self._factory_params})
 
     @staticmethod
     def _split(params: Any) -> tuple[_Layout, list[PyTree], list[dict[str, Any]]]:
