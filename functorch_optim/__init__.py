@@ -9,6 +9,9 @@ from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
 from functorch_optim._sgd import sgd
 from functorch_optim._sharding import data_parallel_grad, state_shardings
 
+# the torch.optim-shaped facade, a subpackage (imported last: it builds on the above)
+from functorch_optim import optim  # isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -19,6 +22,7 @@ __all__ = [
     "data_parallel_grad",
     "get_hparams",
     "grad_accumulate",
+    "optim",
     "set_hparams",
     "sgd",
     "state_shardings",

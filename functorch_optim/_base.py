@@ -39,6 +39,10 @@ StepFn = Callable[..., tuple[PyTree, PyTree]]
 #: ``(params, grads, state) -> (params, state)`` step (see ``step``).
 STEP_ATTR = "fo_step"
 
+#: Attribute name under which a transformation's ``update`` function carries its
+#: ``Algorithm`` (the imperative facade reads torch's state layout from it).
+ALGORITHM_ATTR = "fo_algorithm"
+
 
 class TorchState(NamedTuple):
     """State of a torch-parity optimizer.
@@ -76,12 +80,20 @@ class Algorithm:
         of gradients this parameter has received including this one (1 on its first
         step); ``hparams`` are arrays in the hyperparameter dtype (cast them to the
         parameter's compute dtype where torch would).
+      torch_step: how torch's per-parameter state holds ``step`` (used by the facade's
+        ``state_dict``): ``"tensor"`` (default), a 0-d float tensor of torch's default
+        dtype, as Adam, AdamW, RMSprop, Adagrad, … keep it; ``"int"``, a Python int
+        (SparseAdam); ``None``, no ``step`` at all (SGD).
+      torch_state_at_init: whether torch creates a parameter's state in ``__init__``
+        (Adagrad) rather than on its first gradient; default False.
     """
 
     name: str
     validate: Validator
     init_leaf: Callable[[jax.Array, Mapping[str, Any]], dict[str, jax.Array]]
     step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    torch_step: str | None = "tensor"
+    torch_state_at_init: bool = False
 
 
 def make_optimizer(
@@ -162,6 +174,7 @@ def make_optimizer(
         return updates, state
 
     setattr(update, STEP_ATTR, step_fn)
+    setattr(update, ALGORITHM_ATTR, algorithm)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
 

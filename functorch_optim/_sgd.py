@@ -69,7 +69,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, out
 
 
-SGD_ALGORITHM = Algorithm("SGD", _validate, _init_leaf, _step_leaf)
+SGD_ALGORITHM = Algorithm(
+    name="SGD", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, torch_step=None
+)
 
 
 def sgd(

@@ -1,0 +1,901 @@
+"""The imperative, ``torch.optim``-shaped shell over the functional optimizers.
+
+``Optimizer`` holds the parameters, their gradients and one functional state per
+parameter group, and calls the jitted functional core: ``functorch_optim.step`` with
+params and state donated for ``step()``, a jitted ``value_and_grad`` for ``backward()``.
+``make_optimizer_class(factory)`` turns any functional factory of this package into a
+class with torch's signature (``SGD(params, lr=1e-3, momentum=0, …)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState
+from functorch_optim._base import step as functional_step
+from functorch_optim._hyperparams import set_hparams, to_python
+from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
+
+#: torch's implementation switches: accepted everywhere, no effect here (XLA fuses).
+TORCH_ONLY_FLAGS = ("foreach", "differentiable", "fused", "capturable")
+
+#: Keys a parameter-group dict may hold besides the optimizer's arguments.
+_GROUP_KEYS = ("params", "param_names")
+
+
+# ---------------------------------------------------------------------------------------
+# How the groups' parameter trees map to the structure the user gave
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Maps per-group parameter trees to the user's structure and back.
+
+    Hashable (a static argument of the jitted ``backward``). Three kinds:
+
+    * ``"tree"``: one pytree, one group;
+    * ``"groups"``: torch's list of group dicts; the user's structure is the list of the
+      groups' trees;
+    * ``"partition"``: one pytree split by ``group_by``; each group's tree is the tuple
+      of its leaves, in ``jax.tree.leaves`` order (torch's list of tensors).
+    """
+
+    kind: str
+    n_groups: int = 1
+    treedef: Any = None
+    owner: tuple[int, ...] = ()
+
+    def to_user(self, groups: Sequence[PyTree]) -> PyTree:
+        if self.kind == "tree":
+            return groups[0]
+        if self.kind == "groups":
+            return list(groups)
+        its = [iter(g) for g in groups]
+        return self.treedef.unflatten([next(its[o]) for o in self.owner])
+
+    def to_groups(self, user: PyTree) -> tuple[PyTree, ...]:
+        if self.kind == "tree":
+            return (user,)
+        if self.kind == "groups":
+            return tuple(user)
+        leaves = self.treedef.flatten_up_to(user)
+        return tuple(
+            tuple(x for x, o in zip(leaves, self.owner, strict=True) if o == g) for g in range(self.n_groups)
+        )
+
+
+def path_name(path: tuple) -> str:
+    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupedParams:
+    """One pytree split into parameter groups; built by ``group_by``, passed as ``params``.
+
+    Attributes:
+      tree: the parameter pytree.
+      owner: per leaf (``jax.tree.leaves`` order), the index of its group.
+      overrides: per group, the hyperparameters it overrides.
+    """
+
+    tree: PyTree
+    owner: tuple[int, ...]
+    overrides: tuple[dict[str, Any], ...]
+
+
+def group_by(params: PyTree, *groups: Mapping[str, Any]) -> GroupedParams:
+    """Split one parameter pytree into parameter groups by key-path regex or predicate.
+
+    Each group is a dict with ``"where"`` — a regular expression searched
+    (``re.search``) in the leaf's dotted name (``"layer.0.bias"``, see ``path_name``), or
+    a predicate ``(path, leaf) -> bool`` on the ``jax.tree_util`` key path — and the
+    hyperparameters that group overrides. Leaves no group selects form one last group
+    with the optimizer's defaults. ``opt.params`` keeps the single pytree.
+
+    Args:
+      params: the parameter pytree.
+      *groups: dicts ``{"where": regex_or_predicate, **overrides}``, in group order.
+
+    Returns:
+      A ``GroupedParams`` to pass as an optimizer's ``params``; its group order is the
+      given order, then the group of the remaining leaves (if any).
+
+    Raises:
+      ValueError: ``optimizer got an empty parameter list`` for a tree without leaves;
+        ``some parameters appear in more than one parameter group`` (naming the leaf)
+        when two groups select the same leaf; a group without ``"where"`` or that selects
+        no leaf.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from functorch_optim.optim import SGD, group_by
+      >>> params = {"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(2)}}
+      >>> opt = SGD(group_by(params, {"where": r"bias$", "weight_decay": 0.0}), lr=0.1, weight_decay=0.5)
+      >>> [g["weight_decay"] for g in opt.param_groups]
+      [0.0, 0.5]
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+        raise ValueError("optimizer got an empty parameter list")
+    selectors = []
+    for i, spec in enumerate(groups):
+        if not isinstance(spec, Mapping) or "where" not in spec:
+            raise ValueError(
+                f"group_by: group {i} must be a dict with a 'where' key (a regex or a predicate "
+                f"(path, leaf) -> bool), got {spec!r}"
+            )
+        where = spec["where"]
+        if isinstance(where, str):
+            pattern = re.compile(where)
+            selectors.append(lambda path, leaf, p=pattern: p.search(path_name(path)) is not None)
+        elif callable(where):
+            selectors.append(where)
+        else:
+            raise ValueError(
+                f"group_by: group {i}'s 'where' must be a regex string or a callable, got {where!r}"
+            )
+    owner = []
+    for path, leaf in leaves:
+        chosen = [i for i, sel in enumerate(selectors) if sel(path, leaf)]
+        if len(chosen) > 1:
+            raise ValueError(
+                "some parameters appear in more than one parameter group: "
+                f"{path_name(path)!r} is selected by groups {chosen}"
+            )
+        owner.append(chosen[0] if chosen else len(groups))
+    overrides = [{k: v for k, v in spec.items() if k != "where"} for spec in groups]
+    for i, spec in enumerate(groups):
+        if i not in owner:
+            names = ", ".join(path_name(p) for p, _ in leaves)
+            raise ValueError(
+                f"group_by: group {i} (where={spec['where']!r}) selects no parameter; the "
+                f"parameters are: {names}"
+            )
+    if len(groups) in owner:
+        overrides.append({})
+    return GroupedParams(params, tuple(owner), tuple(overrides))
+
+
+# ---------------------------------------------------------------------------------------
+# The jitted core calls (module level: one compilation cache shared by all instances)
+# ---------------------------------------------------------------------------------------
+
+
+def _multi_step(txs, params, grads, states):
+    out = [functional_step(tx, p, g, s) for tx, p, g, s in zip(txs, params, grads, states, strict=True)]
+    return tuple(o[0] for o in out), tuple(o[1] for o in out)
+
+
+def _backward(loss_fn, layout, params, grads, args, kwargs):
+    def loss_of(groups):
+        return loss_fn(layout.to_user(groups), *args, **kwargs)
+
+    loss, new = jax.value_and_grad(loss_of)(params)
+    # torch's ``loss.backward()`` adds into ``.grad``: old + new
+    acc = jax.tree.map(lambda old, g: g if old is None else old + g, grads, new, is_leaf=is_none)
+    return loss, acc
+
+
+#: Transformations by (algorithm, state structure): two with equal keys step identically
+#: (the step reads numeric hyperparameters from the state; everything else it uses is the
+#: algorithm and the static flags, which the state's structure carries), so optimizers
+#: of the same configuration share one compiled step, across instances too.
+_TX_CACHE: dict[tuple[Any, Any], Any] = {}
+
+
+def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
+    """The cached transformation equivalent to ``tx`` (``tx`` itself the first time)."""
+    if any(callable(v) for v in config.values()):  # a schedule: its function is in the closure
+        return tx
+    algorithm = getattr(tx.update, ALGORITHM_ATTR)
+    try:
+        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state)), tx)
+    except TypeError:  # unhashable static metadata: no sharing
+        return tx
+
+
+_STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
+_BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _to_numpy(x: Any) -> Any:
+    if _is_torch_tensor(x):
+        return x.detach().cpu().numpy()
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        return np.asarray(x)
+    return x
+
+
+def _same(new: Any, old: Any) -> bool:
+    """Whether a param-group value is unchanged, without touching device arrays."""
+    if new is old:
+        return True
+    plain = (bool, int, float, str, type(None))
+    if isinstance(new, plain) and isinstance(old, plain):
+        return type(new) is type(old) and new == old
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(new) == len(old):
+        return all(_same(a, b) for a, b in zip(new, old, strict=True))
+    return False
+
+
+def _copy_leaf(x: Any) -> jax.Array:
+    return jnp.array(x, copy=True)
+
+
+def _factory_parameters(factory: Callable[..., Any]) -> list[inspect.Parameter]:
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p for p in inspect.signature(factory).parameters.values() if p.kind not in skip]
+
+
+def _algorithm_of(tx: Any, factory: Callable[..., Any]) -> Algorithm:
+    algorithm = getattr(getattr(tx, "update", None), ALGORITHM_ATTR, None)
+    if algorithm is None:
+        raise TypeError(
+            f"{getattr(factory, '__name__', factory)!r} did not return a functorch_optim "
+            "optimizer (one built by make_optimizer); the facade needs its TorchState"
+        )
+    return algorithm
+
+
+# ---------------------------------------------------------------------------------------
+# The facade
+# ---------------------------------------------------------------------------------------
+
+
+class Optimizer:
+    """``torch.optim.Optimizer`` on JAX: parameters, gradients and state held for you.
+
+    Subclasses are made by ``make_optimizer_class(factory)``; their constructor is
+    torch's (``SGD(params, lr=1e-3, momentum=0, …)``). Each step runs the jitted
+    functional core (``functorch_optim.step``, params and state donated); nothing of
+    the algorithm lives here.
+
+    ``params`` is either one pytree of floating point arrays, torch's list of
+    parameter-group dicts ``[{"params": pytree, "lr": 0.01, …}, …]`` (each overriding
+    any hyperparameter), or ``group_by(pytree, {"where": regex_or_predicate, …})``.
+    The optimizer copies the parameters; ``opt.params`` returns the current ones in the
+    structure given (for a list of groups: the list of the groups' pytrees). Under
+    ``group_by``, each group's own tree (``param_groups[i]["params"]``, and the buffers
+    of its state) is the tuple of its leaves, like torch's list of tensors.
+
+    Parameter order (the integer ids of ``state_dict()``, torch's numbering): group by
+    group in ``param_groups`` order; within a group, ``jax.tree.leaves`` order of its
+    parameters. For one pytree, id ``i`` is ``jax.tree.leaves(params)[i]``.
+
+    Attributes:
+      param_groups: a list of dicts, one per group: ``"params"`` (that group's current
+        parameters) and every argument of the constructor. Assigning a numeric
+        hyperparameter (``opt.param_groups[0]["lr"] = 0.01``) takes effect on the next
+        ``step()`` without recompiling; assigning a structural flag (``nesterov``)
+        rebuilds that group's transformation (one recompilation). Keys the optimizer
+        does not know (a scheduler's ``initial_lr``) are kept and ignored.
+      defaults: the constructor's arguments, like torch's ``defaults``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from functorch_optim.optim import SGD
+      >>> opt = SGD({"w": jnp.array([1.0, 2.0])}, lr=0.1, momentum=0.9)
+      >>> def loss_fn(params, x):
+      ...     return jnp.sum(params["w"] * x)
+      >>> opt.zero_grad()
+      >>> float(opt.backward(loss_fn, jnp.array([1.0, 1.0])))
+      3.0
+      >>> opt.grad["w"].tolist()
+      [1.0, 1.0]
+      >>> opt.step()
+      >>> opt.params["w"].tolist()
+      [0.9, 1.9]
+      >>> opt.state_dict()["state"][0]["momentum_buffer"].tolist()
+      [1.0, 1.0]
+
+    Note:
+      Parameters and state are donated to the jitted step: arrays read from
+      ``opt.params``, ``opt.grad`` or ``opt.state`` before a ``step()`` (or a
+      ``backward()``, for ``opt.grad``) are deleted by it — read them again afterwards,
+      as torch's in-place update would show the new values.
+    """
+
+    factory: Callable[..., Any] | None = None
+
+    def __init__(self, params: Any, defaults: Mapping[str, Any]) -> None:
+        factory = type(self).factory
+        if factory is None:
+            raise TypeError("Optimizer is abstract; make a class with make_optimizer_class(factory)")
+        self.defaults = dict(defaults)
+        self._factory_params = tuple(p.name for p in _factory_parameters(factory))
+        layout, trees, overrides = self._split(params)
+        for i, over in enumerate(overrides):
+            self._check_keys(i, over)
+        for tree in trees:
+            check_params(tree)
+        self._check_duplicates(trees)
+        txs, groups, algorithms = [], [], []
+        for over in overrides:
+            config = {**self.defaults, **over}
+            tx = factory(**{k: config[k] for k in self._factory_params})
+            algorithms.append(_algorithm_of(tx, factory))
+            txs.append(tx)
+            groups.append(config)
+        # everything validated: now copy the parameters and build the states
+        self._layout = layout
+        self._params = [jax.tree.map(_copy_leaf, tree) for tree in trees]
+        self._states = [tx.init(tree) for tx, tree in zip(txs, self._params, strict=True)]
+        self._txs = [_shared(tx, st, g) for tx, st, g in zip(txs, self._states, groups, strict=True)]
+        self._algorithms = algorithms
+        self._numeric = [frozenset(s.hparams) for s in self._states]
+        self._none_grads = [jax.tree.map(lambda _: None, tree) for tree in self._params]
+        self._grads = list(self._none_grads)
+        self._grads_all_none = True
+        self._sizes = [len(jax.tree.leaves(tree)) for tree in self._params]
+        self.param_groups: list[dict[str, Any]] = [
+            {"params": tree, **config} for tree, config in zip(self._params, groups, strict=True)
+        ]
+        self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
+
+    # -- construction helpers -----------------------------------------------------------
+
+    def _check_keys(self, index: int, overrides: Mapping[str, Any]) -> None:
+        unknown = sorted(set(overrides) - set(self._factory_params) - set(_GROUP_KEYS))
+        if unknown:
+            raise ValueError(
+                f"parameter group {index} has unknown hyperparameter(s) "
+                f"{', '.join(map(repr, unknown))}; {type(self).__name__} accepts: "
+                f"{', '.join(self._factory_params)}"
+            )
+
+    def add_param_group(self, param_group: Mapping[str, Any]) -> None:
+        """Append a parameter group, as torch's ``add_param_group`` (e.g. to unfreeze layers).
+
+        Only for an optimizer built from torch's list of group dicts: ``opt.params``,
+        ``opt.grad`` and ``param_groups`` grow by one entry; the new parameters get ids
+        after the existing ones.
+
+        Args:
+          param_group: ``{"params": pytree, **overrides}``; missing hyperparameters take
+            the optimizer's defaults.
+
+        Raises:
+          TypeError: for an optimizer built from one pytree, or a group that is not a
+            dict with ``"params"``.
+          ValueError: unknown hyperparameter keys, torch's messages for invalid values,
+            ``optimizer got an empty parameter list`` for a group without leaves, or
+            ``some parameters appear in more than one parameter group`` for arrays this
+            optimizer already holds. Nothing changes when it raises.
+        """
+        if self._layout.kind != "groups":
+            raise TypeError(
+                "add_param_group needs an optimizer built from torch's list of parameter-group "
+                "dicts; this one was built from one pytree"
+            )
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with a 'params' entry, got {param_group!r}")
+        overrides = {k: v for k, v in param_group.items() if k != "params"}
+        self._check_keys(len(self.param_groups), overrides)
+        tree = param_group["params"]
+        check_params(tree)
+        held = {id(x) for t in self._params for x in jax.tree.leaves(t)}
+        self._check_duplicates([tree])
+        if any(id(x) in held for x in jax.tree.leaves(tree)):
+            raise ValueError("some parameters appear in more than one parameter group")
+        factory = type(self).factory
+        config = {**self.defaults, **overrides}
+        tx = factory(**{k: config[k] for k in self._factory_params})
+        algorithm = _algorithm_of(tx, factory)
+        params = jax.tree.map(_copy_leaf, tree)
+        state = tx.init(params)
+        self._layout = _Layout("groups", len(self.param_groups) + 1)
+        self._params.append(params)
+        self._states.append(state)
+        self._txs.append(_shared(tx, state, config))
+        self._algorithms.append(algorithm)
+        self._numeric.append(frozenset(state.hparams))
+        self._none_grads.append(jax.tree.map(lambda _: None, params))
+        self._grads.append(self._none_grads[-1])
+        self._sizes.append(len(jax.tree.leaves(params)))
+        self.param_groups.append({"params": params, **config})
+        self._applied.append({k: config[k] for k in self._factory_params})
+
+    @staticmethod
+    def _split(params: Any) -> tuple[_Layout, list[PyTree], list[dict[str, Any]]]:
+        if isinstance(params, GroupedParams):
+            n = len(params.overrides)
+            treedef = jax.tree.structure(params.tree)
+            layout = _Layout("partition", n, treedef, params.owner)
+            return layout, list(layout.to_groups(params.tree)), [dict(o) for o in params.overrides]
+        is_group_list = (
+            isinstance(params, list | tuple)
+            and len(params) > 0
+            and all(isinstance(g, Mapping) and "params" in g for g in params)
+        )
+        if is_group_list:
+            trees = [g["params"] for g in params]
+            overrides = [{k: v for k, v in g.items() if k != "params"} for g in params]
+            if not any(jax.tree.leaves(t) for t in trees):
+                raise ValueError("optimizer got an empty parameter list")
+            return _Layout("groups", len(trees)), trees, overrides
+        if not jax.tree.leaves(params):
+            raise ValueError("optimizer got an empty parameter list")
+        return _Layout("tree"), [params], [{}]
+
+    @staticmethod
+    def _check_duplicates(trees: Sequence[PyTree]) -> None:
+        seen: dict[int, int] = {}
+        for g, tree in enumerate(trees):
+            ids = [id(leaf) for leaf in jax.tree.leaves(tree)]
+            if len(ids) != len(set(ids)):
+                warnings.warn(
+                    "optimizer contains a parameter group with duplicate parameters; "
+                    "in future, this will cause an error; "
+                    "see github.com/pytorch/pytorch/issues/40967 for more information",
+                    stacklevel=4,
+                )
+            for i in set(ids):
+                if seen.setdefault(i, g) != g:
+                    raise ValueError("some parameters appear in more than one parameter group")
+
+    # -- parameters, gradients, state ----------------------------------------------------
+
+    @property
+    def params(self) -> PyTree:
+        """The current parameters, in the structure given to the constructor."""
+        return self._layout.to_user(self._params)
+
+    @params.setter
+    def params(self, value: PyTree) -> None:
+        self._check_same_tree(value, "params")
+        groups = [jax.tree.map(_copy_leaf, t) for t in self._layout.to_groups(value)]
+        self._params = groups
+        for group, tree in zip(self.param_groups, groups, strict=True):
+            group["params"] = tree
+
+    @property
+    def grad(self) -> PyTree:
+        """The accumulated gradients, shaped like ``params``; ``None`` leaves after ``zero_grad()``.
+
+        Writable: assign a pytree like ``params`` (``None`` leaves allowed, dtypes equal
+        to the parameters'), as torch allows assigning ``p.grad``.
+        """
+        return self._layout.to_user(self._grads)
+
+    @grad.setter
+    def grad(self, value: PyTree) -> None:
+        check_like_params(self.params, value, "grad")
+        p_leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        g_leaves = jax.tree.structure(self.params).flatten_up_to(value)
+        for (path, p), g in zip(p_leaves, g_leaves, strict=True):
+            if g is not None and jnp.result_type(g) != p.dtype:
+                raise ValueError(
+                    f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
+                    f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
+                )
+        copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+        self._grads = list(self._layout.to_groups(copied))
+        self._grads_all_none = all(g is None for g in g_leaves)
+
+    @property
+    def state(self) -> TorchState | tuple[TorchState, ...]:
+        """The functional state: a ``TorchState`` for one parameter group, else a tuple of them.
+
+        Writable with a state of the same structure, shapes and dtypes (e.g. one
+        restored by orbax); the groups' numeric hyperparameters follow the new state.
+        """
+        return self._states[0] if len(self._states) == 1 else tuple(self._states)
+
+    @state.setter
+    def state(self, value: TorchState | Sequence[TorchState]) -> None:
+        states = [value] if len(self._states) == 1 else list(value)
+        if len(states) != len(self._states):
+            raise ValueError(f"expected {len(self._states)} group states, got {len(states)}")
+        for g, (new, old) in enumerate(zip(states, self._states, strict=True)):
+            self._check_same_tree(new, f"state of group {g}", reference=old)
+        self._states = [jax.tree.map(_copy_leaf, s) for s in states]
+        for g, st in enumerate(self._states):
+            for k, v in st.hparams.items():
+                if k in self._applied[g] and k not in st.hparams.scheduled:
+                    value_py = to_python(v)
+                    self.param_groups[g][k] = value_py
+                    self._applied[g][k] = value_py
+
+    def _check_same_tree(self, value: PyTree, what: str, reference: PyTree | None = None) -> None:
+        ref = self.params if reference is None else reference
+        if jax.tree.structure(value) != jax.tree.structure(ref):
+            raise ValueError(
+                f"{what} does not match the optimizer's structure.\n"
+                f"  expected: {jax.tree.structure(ref)}\n  got: {jax.tree.structure(value)}"
+            )
+        for (path, new), old in zip(
+            jax.tree_util.tree_flatten_with_path(value)[0], jax.tree.leaves(ref), strict=True
+        ):
+            if jnp.shape(new) != jnp.shape(old) or jnp.result_type(new) != jnp.result_type(old):
+                raise ValueError(
+                    f"{what} at {keystr(path)} has shape {jnp.shape(new)} and dtype "
+                    f"{jnp.result_type(new)}, expected {jnp.shape(old)} and {jnp.result_type(old)}"
+                )
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's ``zero_grad``.
+
+        Args:
+          set_to_none: default True, every gradient becomes ``None`` (``step()`` then
+            skips the parameter). With False, gradients that exist become zeros (so
+            weight decay and momentum still move their parameters); ``None`` ones stay.
+        """
+        if set_to_none:
+            self._grads = list(self._none_grads)
+            self._grads_all_none = True
+        else:
+            self._grads = [
+                jax.tree.map(lambda g: None if g is None else jnp.zeros_like(g), t, is_leaf=is_none)
+                for t in self._grads
+            ]
+
+    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+        """Compute ``loss_fn(opt.params, *args, **kwargs)`` and ADD its gradient into ``opt.grad``.
+
+        As torch's ``loss.backward()`` accumulates into ``.grad``: call ``zero_grad()``
+        first for a fresh gradient. The loss and gradient are computed by one jitted
+        ``value_and_grad``, compiled once per ``loss_fn`` (pass the same function object
+        every step; ``args``/``kwargs`` are traced arrays).
+
+        Args:
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss``; ``params`` comes in the
+            structure ``opt.params`` has.
+          *args: positional arguments for ``loss_fn`` (a batch, targets, …).
+          **kwargs: keyword arguments for ``loss_fn``.
+
+        Returns:
+          The loss, a 0-d array.
+        """
+        loss, grads = _BACKWARD(loss_fn, self._layout, tuple(self._params), tuple(self._grads), args, kwargs)
+        self._grads = list(grads)
+        self._grads_all_none = False
+        return loss
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every parameter that has a gradient.
+
+        First applies changed ``param_groups`` values (validated with torch's messages;
+        on an error nothing changes), then runs the jitted functional step. A parameter
+        whose gradient is ``None`` is left untouched, state included.
+
+        Args:
+          closure: optional ``() -> loss`` that re-evaluates the model (usually
+            ``zero_grad()`` then ``backward(...)``), called first, as in torch.
+
+        Returns:
+          The closure's loss, or ``None`` without a closure.
+        """
+        loss = None
+        if closure is not None:
+            loss = closure()
+        self._sync_groups()
+        if self._grads_all_none:
+            return loss
+        params, states = _STEP(tuple(self._txs), tuple(self._params), tuple(self._grads), tuple(self._states))
+        self._params = list(params)
+        self._states = list(states)
+        for group, tree in zip(self.param_groups, params, strict=True):
+            group["params"] = tree
+        return loss
+
+    def _sync_groups(self) -> None:
+        """Push assigned ``param_groups`` values into the states (all groups or none)."""
+        updates = []
+        for g, group in enumerate(self.param_groups):
+            applied = self._applied[g]
+            numeric, rebuild = {}, False
+            for k in self._factory_params:
+                try:
+                    value = group[k]
+                except KeyError:
+                    raise ValueError(f"param_groups[{g}] lacks the hyperparameter {k!r}") from None
+                if _same(value, applied[k]) or k in TORCH_ONLY_FLAGS:
+                    continue
+                if k in self._numeric[g]:
+                    numeric[k] = value
+                else:
+                    rebuild = True
+            if rebuild:
+                updates.append((g, *self._rebuilt(g, group)))
+            elif numeric:
+                updates.append((g, self._txs[g], set_hparams(self._states[g], **numeric)))
+        for g, tx, state in updates:
+            self._txs[g], self._states[g] = tx, state
+            self._applied[g] = {k: self.param_groups[g][k] for k in self._factory_params}
+
+    def _rebuilt(self, g: int, config: Mapping[str, Any]) -> tuple[Any, TorchState]:
+        """A new transformation for group ``g`` (a structural flag changed), keeping its buffers."""
+        factory = type(self).factory
+        tx = factory(**{k: config[k] for k in self._factory_params})
+        fresh = tx.init(self._params[g])
+        old = self._states[g]
+        buffers = {n: old.buffers.get(n, b) for n, b in fresh.buffers.items()}
+        return _shared(tx, fresh, config), TorchState(fresh.hparams, old.count, buffers)
+
+    # -- torch's state_dict ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's layout, with NumPy arrays (host copies).
+
+        ``{"state": {id: {"momentum_buffer": array, …}}, "param_groups": [{"lr": …, …,
+        "params": [ids]}]}``, ids as in the class docstring. A parameter that never
+        received a gradient has no entry (except for algorithms torch initializes
+        eagerly, Adagrad). ``step`` appears where torch keeps it: a 0-d float32 array
+        (torch's default scalar dtype) for Adam-like algorithms; SGD keeps none. Load
+        it into a torch optimizer with ``state_dict_to_torch``.
+
+        Returns:
+          The state dict; it can be pickled, and loaded by ``load_state_dict``.
+        """
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        start = 0
+        for g, group in enumerate(self.param_groups):
+            st, algorithm = self._states[g], self._algorithms[g]
+            names = [n for n in st.buffers if n != "step"]
+            steps = [int(s) for s in jax.device_get(jax.tree.leaves(st.buffers["step"]))]
+            host = {n: jax.device_get(jax.tree.leaves(st.buffers[n])) for n in names}
+            for j, s in enumerate(steps):
+                if s == 0 and not algorithm.torch_state_at_init:
+                    continue
+                entry: dict[str, Any] = {}
+                if algorithm.torch_step == "tensor":
+                    entry["step"] = np.array(float(s), dtype=np.float32)
+                elif algorithm.torch_step == "int":
+                    entry["step"] = s
+                for n in names:
+                    entry[n] = np.array(host[n][j], copy=True)
+                if entry:
+                    state[start + j] = entry
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(steps)))
+            groups.append(packed)
+            start += len(steps)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict in torch's layout: this class's own, or a real torch one.
+
+        Accepts ``state_dict()``'s output and ``torch.optim.<Same>(...).state_dict()``
+        holding torch tensors. Like torch, saved ids are matched to this optimizer's
+        parameters by position, group by group; the saved groups' hyperparameters
+        replace the current ones (extra keys such as ``initial_lr`` are kept). A
+        parameter without an entry gets fresh state. ``count`` becomes the largest
+        per-parameter ``step``; for SGD, whose torch state has no ``step``, a parameter
+        with a momentum buffer resumes as already stepped (all SGD's rule reads).
+
+        Args:
+          state_dict: ``{"state": {...}, "param_groups": [...]}``.
+
+        Raises:
+          ValueError: ``loaded state dict has a different number of parameter groups``,
+            ``loaded state dict contains a parameter group that doesn't match the size
+            of optimizer's group`` (torch's texts); state for an id no group lists; a
+            buffer this optimizer does not keep; a buffer whose shape differs from the
+            parameter's; torch's message for an invalid hyperparameter. Raised before
+            anything changes: the optimizer is untouched after a failed load.
+        """
+        saved_groups = list(state_dict["param_groups"])
+        saved_state = dict(state_dict["state"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(s["params"]) != n for s, n in zip(saved_groups, self._sizes, strict=True)):
+            raise ValueError(
+                "loaded state dict contains a parameter group "
+                "that doesn't match the size of optimizer's group"
+            )
+        id_map = {sid: (g, j) for g, s in enumerate(saved_groups) for j, sid in enumerate(s["params"])}
+        entries: list[dict[int, tuple[Any, Mapping[str, Any]]]] = [{} for _ in saved_groups]
+        for key, value in saved_state.items():
+            if key not in id_map:
+                raise ValueError(
+                    f"loaded state dict has state for parameter id {key!r}, which no parameter group lists"
+                )
+            g, j = id_map[key]
+            entries[g][j] = (key, value)
+        factory = type(self).factory
+        new = []
+        for g, group in enumerate(self.param_groups):
+            config = {k: v for k, v in group.items() if k != "params"}
+            config.update({k: copy.deepcopy(v) for k, v in saved_groups[g].items() if k != "params"})
+            candidate = factory(**{k: config[k] for k in self._factory_params})
+            fresh = candidate.init(self._params[g])
+            same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
+            tx = self._txs[g] if same else _shared(candidate, fresh, config)
+            state = self._state_from_entries(g, fresh, entries[g])
+            new.append((g, tx, state, config))
+        for g, tx, state, config in new:
+            self._txs[g], self._states[g] = tx, state
+            self.param_groups[g] = {"params": self._params[g], **config}
+            self._applied[g] = {k: config[k] for k in self._factory_params}
+            self._numeric[g] = frozenset(state.hparams)
+
+    def _state_from_entries(self, g: int, fresh: TorchState, entries: Mapping[int, tuple]) -> TorchState:
+        algorithm = self._algorithms[g]
+        names = [n for n in fresh.buffers if n != "step"]
+        treedefs = {n: jax.tree.structure(b) for n, b in fresh.buffers.items()}
+        bufs = {n: jax.tree.leaves(fresh.buffers[n]) for n in names}
+        steps = [0] * self._sizes[g]
+        for j, (key, entry) in entries.items():
+            loaded = False
+            for name, raw in entry.items():
+                value = _to_numpy(raw)
+                if name == "step":
+                    steps[j] = round(float(np.asarray(value)))
+                    continue
+                if value is None:
+                    continue
+                if name not in bufs:
+                    raise ValueError(
+                        f"loaded state dict: parameter {key!r} has state {name!r}, which "
+                        f"{type(self).__name__} with these settings does not keep (it keeps: "
+                        f"{', '.join(names) or 'nothing'})"
+                    )
+                ref = bufs[name][j]
+                value = np.asarray(value)
+                if value.shape != ref.shape:
+                    raise ValueError(
+                        f"loaded state dict: {name} of parameter {key!r} has shape {value.shape}, "
+                        f"but the parameter's is {ref.shape}"
+                    )
+                bufs[name][j] = jnp.asarray(value, dtype=ref.dtype)
+                loaded = True
+            if algorithm.torch_step is None and loaded:
+                steps[j] = max(steps[j], 1)
+        buffers = {"step": treedefs["step"].unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
+        for n in names:
+            buffers[n] = treedefs[n].unflatten(bufs[n])
+        count = jnp.asarray(max(steps, default=0), jnp.int32)
+        return TorchState(fresh.hparams, count, {n: buffers[n] for n in fresh.buffers})
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the transformations are closures: rebuilt from the applied configuration on load
+        state = dict(self.__dict__)
+        del state["_txs"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        factory = type(self).factory
+        self._txs = [
+            _shared(factory(**applied), st, applied)
+            for applied, st in zip(self._applied, self._states, strict=True)
+        ]
+
+    def __repr__(self) -> str:
+        lines = [type(self).__name__ + " ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines.extend(f"    {k}: {group[k]}" for k in sorted(group) if k != "params")
+        return "\n".join(lines) + "\n)"
+
+
+def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a state dict with every array as a torch tensor, for ``torch.optim``.
+
+    ``torch.optim.Optimizer.load_state_dict`` needs tensors; this converts the NumPy
+    (or JAX) arrays of ``Optimizer.state_dict()`` — ``step`` stays a 0-d float32
+    tensor, as torch keeps it — and 0-d arrays in ``param_groups`` to Python numbers.
+
+    Args:
+      state_dict: a state dict in torch's layout.
+
+    Returns:
+      A new state dict, ready for ``torch_optimizer.load_state_dict``.
+    """
+    import torch
+
+    def tensor(v: Any) -> Any:
+        if isinstance(v, np.ndarray | np.generic | jax.Array):
+            return torch.from_numpy(np.array(v, copy=True))
+        return v
+
+    def number(v: Any) -> Any:
+        if isinstance(v, np.ndarray | np.generic | jax.Array) and np.ndim(v) == 0:
+            return np.asarray(v).item()
+        if isinstance(v, tuple):
+            return tuple(number(x) for x in v)
+        return copy.deepcopy(v)
+
+    return {
+        "state": {k: {n: tensor(v) for n, v in e.items()} for k, e in state_dict["state"].items()},
+        "param_groups": [{k: number(v) for k, v in g.items()} for g in state_dict["param_groups"]],
+    }
+
+
+def make_optimizer_class(
+    factory: Callable[..., Any], name: str | None = None, module: str = "functorch_optim.optim"
+) -> type[Optimizer]:
+    """The ``torch.optim``-shaped class of a functional factory: ``Adam = make_optimizer_class(adam)``.
+
+    The class's constructor is ``Name(params, <the factory's arguments>)`` — torch's
+    signature, because the factory has torch's names and defaults. Every argument can be
+    overridden per parameter group; numeric ones are hyperparameters in the state.
+
+    Args:
+      factory: a functional factory of this package (``functorch_optim.sgd``, …) that
+        returns a transformation built by ``make_optimizer``.
+      name: the class name; default torch's class name, read from the factory's
+        ``Algorithm``.
+      module: the ``__module__`` the class reports; default ``functorch_optim.optim``.
+
+    Returns:
+      A subclass of ``Optimizer``.
+
+    Raises:
+      TypeError: if the factory does not build a functorch_optim optimizer.
+    """
+    fparams = _factory_parameters(factory)
+    factory_sig = inspect.Signature(fparams)
+    if name is None:
+        name = _algorithm_of(factory(), factory).name
+    fname = getattr(factory, "__name__", name)
+
+    def __init__(self: Optimizer, params: Any, *args: Any, **kwargs: Any) -> None:
+        bound = factory_sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        Optimizer.__init__(self, params, dict(bound.arguments))
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", kind), inspect.Parameter("params", kind), *fparams]
+    )
+    plain = inspect.Signature([p.replace(annotation=inspect.Parameter.empty) for p in fparams])
+    shown = str(plain)[1:-1]
+    flags = ", ".join(f"``{f}``" for f in TORCH_ONLY_FLAGS if f in factory_sig.parameters)
+    doc = (
+        f"``torch.optim.{name}`` on JAX: the imperative facade over ``functorch_optim.{fname}``.\n\n"
+        f"``{name}(params, {shown})``\n\n"
+        f"torch's arguments, names and defaults. The update rule, every hyperparameter and\n"
+        f"torch's error messages are ``functorch_optim.{fname}``'s; parameters, groups,\n"
+        "``zero_grad``/``backward``/``step`` and ``state_dict`` are\n"
+        "``functorch_optim.optim.Optimizer``'s.\n\n"
+        "Args:\n"
+        "  params: one pytree of floating point arrays, torch's list of parameter-group\n"
+        "    dicts (each may override any argument below), or ``group_by(tree, ...)``.\n"
+        f"  **hyperparameters: as ``functorch_optim.{fname}``"
+        + (f"; {flags} are accepted for torch\n    compatibility and have no effect.\n" if flags else ".\n")
+    )
+    namespace = {
+        "__init__": __init__,
+        "factory": staticmethod(factory),
+        "__doc__": doc,
+        "__module__": module,
+        "__qualname__": name,
+    }
+    return type(name, (Optimizer,), namespace)
