@@ -4,8 +4,13 @@
 """
 
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
+from functorch_optim._adam import adam
+from functorch_optim._adamax import adamax
+from functorch_optim._adamw import adamw
 from functorch_optim._base import TorchState, apply_updates, step
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._nadam import nadam
+from functorch_optim._radam import radam
 from functorch_optim._sgd import sgd
 
 __version__ = "0.1.0"
@@ -14,9 +19,14 @@ __all__ = [
     "GradAccumulateState",
     "HParams",
     "TorchState",
+    "adam",
+    "adamax",
+    "adamw",
     "apply_updates",
     "get_hparams",
     "grad_accumulate",
+    "nadam",
+    "radam",
     "set_hparams",
     "sgd",
     "step",
