@@ -65,7 +65,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     hd = t.dtype
     if static["differentiable"]:
         # torch's differentiable path keeps the tensors: ``1.0 - mu_product`` and
-        # ``mu_product * mu_next`` are computed (and rounded) in mu_product's dtype
+        # ``mu_product * mu_next`` are computed and rounded in mu_product's float32
         mu_product_next = mu_product * mu_next.astype(mp_dtype)
         one_minus = (1.0 - mu_product).astype(hd)
         one_minus_next = (1.0 - mu_product_next).astype(hd)
@@ -135,9 +135,10 @@ def nadam(
       foreach: accepted for torch compatibility; no effect.
       maximize: maximize the objective instead of minimizing, default False (static).
       capturable: accepted for torch compatibility; no effect.
-      differentiable: every step is differentiable with ``jax.grad`` either way; with
-        True, :math:`1 - P_t` and :math:`P_t\mu_{t+1}` are rounded to ``mu_product``'s
-        float32, as torch's ``differentiable=True`` path does (static).
+      differentiable: every step is differentiable with ``jax.grad`` either way. With
+        True, :math:`1 - P_t` and :math:`P_t \mu_{t+1}` are rounded to ``mu_product``'s
+        float32, as torch's ``differentiable=True`` path computes them (with a float64
+        tensor ``lr``, as meta-learning uses it); a 1e-8 relative effect (static).
 
     Returns:
       An optax ``GradientTransformationExtraArgs`` whose state is a ``TorchState`` with
