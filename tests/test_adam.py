@@ -68,12 +68,12 @@ def test_numpy_reference(config):
 def test_amsgrad_keeps_max_of_raw_second_moment():
     # step 1: g = 10 (large v); step 2: g = 0 -> v shrinks, the max keeps step 1's raw v
     tx = fo.adam(lr=0.1, betas=(0.9, 0.5), amsgrad=True)
-    p = {"w": jnp.array([1.0])}
+    p = {"w": jnp.array([1.0, 1.0])}
     s = tx.init(p)
-    p, s = fo.step(tx, p, {"w": jnp.array([10.0])}, s)
-    p, s = fo.step(tx, p, {"w": jnp.array([0.0])}, s)
-    assert s.exp_avg_sq["w"].tolist() == [25.0]
-    assert s.max_exp_avg_sq["w"].tolist() == [50.0]  # raw (1 - 0.5) * 100, not corrected
+    p, s = fo.step(tx, p, {"w": jnp.array([10.0, 10.0])}, s)
+    p, s = fo.step(tx, p, {"w": jnp.array([0.0, 0.0])}, s)
+    assert s.exp_avg_sq["w"].tolist() == [25.0, 25.0]
+    assert s.max_exp_avg_sq["w"].tolist() == [50.0, 50.0]  # raw (1 - 0.5) * 100, not corrected
 
 
 def test_none_gradients_follow_torch():

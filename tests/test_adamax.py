@@ -53,10 +53,10 @@ def test_numpy_reference(config):
 def test_eps_inside_the_maximum():
     # a zero gradient leaves exp_inf = max(beta2 * 0, |0| + eps) = eps, not 0
     tx = fo.adamax(eps=1e-3)
-    p = {"w": jnp.array([1.0])}
-    p, s = fo.step(tx, p, {"w": jnp.array([0.0])}, tx.init(p))
-    assert s.exp_inf["w"].tolist() == [1e-3]
-    assert p["w"].tolist() == [1.0]
+    p = {"w": jnp.array([1.0, -1.0])}
+    p, s = fo.step(tx, p, {"w": jnp.array([0.0, 0.0])}, tx.init(p))
+    assert s.exp_inf["w"].tolist() == [1e-3, 1e-3]
+    assert p["w"].tolist() == [1.0, -1.0]
 
 
 def test_none_gradients_follow_torch():

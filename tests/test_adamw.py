@@ -59,7 +59,7 @@ def test_numpy_reference(config):
 
 def test_is_adam_with_decoupled_weight_decay():
     # one rule: adamw(...) and adam(..., decoupled_weight_decay=True) give identical numbers
-    params, grads = af.stream(np.float64, seed=4, steps=6, none_every=0)
+    params, grads = af.stream(np.float64, seed=4, shape=af.EAGER_SHAPE, steps=6, none_every=0)
     kw = {"lr": 0.1, "weight_decay": 0.3, "amsgrad": True}
     pw, sw = af.run_jax_eager(fo.adamw(**kw), params, grads)
     pa, sa = af.run_jax_eager(fo.adam(decoupled_weight_decay=True, **kw), params, grads)

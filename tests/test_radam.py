@@ -63,11 +63,11 @@ def test_numpy_reference(config):
 def test_rectification_starts_when_rho_exceeds_5():
     # betas (0.9, 0.999): rho_5 = 4.996 (plain step), rho_6 = 5.994 (rectified step)
     tx = fo.radam(lr=1.0, eps=0.0)
-    p = {"w": jnp.zeros(1)}
+    p = {"w": jnp.zeros(2)}
     s = tx.init(p)
     moves = []
     for _ in range(6):
-        new, s = fo.step(tx, p, {"w": jnp.ones(1)}, s)
+        new, s = fo.step(tx, p, {"w": jnp.ones(2)}, s)
         moves.append(float(p["w"][0] - new["w"][0]))
         p = new
     # g = 1 always: m_hat = 1, so a plain step moves by lr = 1 exactly
