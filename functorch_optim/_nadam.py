@@ -158,7 +158,7 @@ def nadam(
       >>> params = {"w": jnp.array([1.0])}
       >>> params, state = fo.step(tx, params, {"w": jnp.array([1.0])}, tx.init(params))
       >>> state.mu_product["w"].dtype, round(state.mu_product["w"].item(), 6)
-      (dtype('float32'), 0.450072)
+      (dtype('float32'), 0.450073)
 
     Note:
       Where optax differs: ``optax.nadam`` uses a constant :math:`\beta_1` in place of

@@ -173,6 +173,34 @@ def none_gradients_vs_torch(name: str, config: Mapping[str, Any]) -> Any:
     return ours_s
 
 
+def bf16_vs_torch(name: str, config: Mapping[str, Any], steps: int = 20, size: int = 64) -> tuple[int, float]:
+    """bf16 parameters, ours vs torch: each op computed in float32 and rounded to bf16.
+
+    Returns (max distance in bf16 units in the last place, fraction of differing values)
+    over all steps. Residual 1-ulp differences come from torch's fused multiply-adds.
+    """
+    rng = np.random.default_rng(11)
+    p0 = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(steps)]
+    tp = torch.tensor(p0).bfloat16().requires_grad_(True)
+    opt = torch_factory(name, config)([tp])
+    tx = get_spec(name).factory(**config)
+    p = {"w": jnp.asarray(p0).astype(jnp.bfloat16)}
+    s = tx.init(p)
+    max_ulp, differing = 0, 0
+    for g in grads:
+        tp.grad = torch.tensor(g).bfloat16()
+        opt.step()
+        p, s = fo.step(tx, p, {"w": jnp.asarray(g).astype(jnp.bfloat16)}, s)
+        assert p["w"].dtype == jnp.bfloat16
+        ours = np.asarray(p["w"]).view(np.int16).astype(np.int64)
+        theirs = tp.detach().view(torch.int16).numpy().astype(np.int64)
+        assert np.all(np.sign(ours) == np.sign(theirs))
+        max_ulp = max(max_ulp, int(np.max(np.abs(ours - theirs))))
+        differing += int(np.sum(ours != theirs))
+    return max_ulp, differing / (steps * size)
+
+
 def run_jax_eager(tx: Any, params: Any, grads: Sequence[Any]):
     """Our optimizer step by step, un-jitted, with real ``None`` gradient leaves."""
     p = jax.tree.map(jnp.asarray, params)

@@ -83,6 +83,11 @@ def test_none_gradients_follow_torch():
     af.none_gradients_vs_torch(NAME, {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True})
 
 
+def test_bfloat16_rounds_per_op_like_torch():
+    max_ulp, differing = af.bf16_vs_torch(NAME, {"lr": 0.01, "weight_decay": 0.1})
+    assert max_ulp <= 1 and differing <= 0.05, (max_ulp, differing)
+
+
 @pytest.mark.parametrize("row", af.common_error_rows(), ids=af.row_id)
 def test_validation_matches_torch(row):
     af.check_error_row(NAME, *row)
