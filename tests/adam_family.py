@@ -57,52 +57,63 @@ EAGER_SHAPE = "eager"
 _SHAPES = {GRID_SHAPE: {"w": (3, 4)}, EAGER_SHAPE: {"a": (2,), "b": [(2,), {"c": (2,)}]}}
 
 
-@functools.cache
 def grid_results(name: str, dtype_name: str) -> dict[str, tuple[Any, Any]]:
-    """Ours over every registry configuration of ``name``, in ONE jitted function.
+    """Ours over every registry configuration of ``name`` for one dtype:
+    ``config_id -> (params, state)`` (see ``_grid_all``)."""
+    return _grid_all(name)[dtype_name]
 
-    Structural flags are unrolled (one sub-graph per flag combination), the numeric
-    hyperparameters of each combination are vmapped as data, the steps are a ``lax.scan``
-    with ``grad_mask`` for the ``None`` steps. Returns ``config_id -> (params, state)``.
+
+@functools.cache
+def _grid_all(name: str) -> dict[str, dict[str, tuple[Any, Any]]]:
+    """Ours over every registry configuration of ``name``, float64 and float32, in ONE
+    jitted function.
+
+    Structural flags are unrolled (one sub-graph per flag combination and dtype), the
+    numeric hyperparameters of each combination are vmapped as data, the steps are a
+    ``lax.scan`` with ``grad_mask`` for the ``None`` steps.
     """
     spec = get_spec(name)
-    params, grads = stream(np.dtype(dtype_name).type, shape=GRID_SHAPE)
-    p0 = jax.tree.map(jnp.asarray, params)
-    g_stack = jnp.stack([jnp.zeros_like(p0["w"]) if g["w"] is None else jnp.asarray(g["w"]) for g in grads])
-    m_stack = jnp.asarray([g["w"] is not None for g in grads])
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for config in spec.grid:
         static, _ = split_config(config)
         groups.setdefault(tuple(sorted(static.items())), []).append(config)
     txs = {key: spec.factory(**dict(key)) for key in groups}
-    batches = {}
-    for key, configs in groups.items():
-        hps = [fo.set_hparams(txs[key].init(p0), **split_config(c)[1]).hparams for c in configs]
-        batches[key] = jax.tree.map(lambda *xs: jnp.stack(xs), *hps)
+    inputs, batches = {}, {}
+    for dtype_name in ("float64", "float32"):
+        params, grads = stream(np.dtype(dtype_name).type, shape=GRID_SHAPE)
+        p0 = jnp.asarray(params["w"])
+        g_stack = jnp.stack([jnp.zeros_like(p0) if g["w"] is None else jnp.asarray(g["w"]) for g in grads])
+        m_stack = jnp.asarray([g["w"] is not None for g in grads])
+        inputs[dtype_name] = (p0, g_stack, m_stack)
+        for key, configs in groups.items():
+            hps = [fo.set_hparams(txs[key].init({"w": p0}), **split_config(c)[1]).hparams for c in configs]
+            batches[dtype_name, key] = jax.tree.map(lambda *xs: jnp.stack(xs), *hps)
 
-    def run_all(batches):
+    def run_all(inputs, batches):
         out = {}
-        for key, tx in txs.items():
+        for (dtype_name, key), batch in batches.items():
+            tx = txs[key]
+            p0, g_stack, m_stack = inputs[dtype_name]
 
-            def one(hparams, tx=tx):
-                state = tx.init(p0)._replace(hparams=hparams)
+            def one(hparams, tx=tx, p0=p0, g_stack=g_stack, m_stack=m_stack):
+                state = tx.init({"w": p0})._replace(hparams=hparams)
 
                 def body(carry, xs):
                     p, s = carry
                     g, m = xs
                     return fo.step(tx, p, {"w": g}, s, grad_mask={"w": m}), None
 
-                (p, s), _ = jax.lax.scan(body, (p0, state), (g_stack, m_stack))
+                (p, s), _ = jax.lax.scan(body, ({"w": p0}, state), (g_stack, m_stack))
                 return p, s
 
-            out[key] = jax.vmap(one)(batches[key])
+            out[dtype_name, key] = jax.vmap(one)(batch)
         return out
 
-    out = fast_jit(run_all, batches)(batches)
-    results = {}
-    for key, configs in groups.items():
-        for i, config in enumerate(configs):
-            results[config_id(config)] = jax.tree.map(lambda x, i=i: x[i], out[key])
+    out = fast_jit(run_all, inputs, batches)(inputs, batches)
+    results: dict[str, dict[str, tuple[Any, Any]]] = {"float64": {}, "float32": {}}
+    for (dtype_name, key), result in out.items():
+        for i, config in enumerate(groups[key]):
+            results[dtype_name][config_id(config)] = jax.tree.map(lambda x, i=i: x[i], result)
     return results
 
 

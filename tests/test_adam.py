@@ -108,7 +108,6 @@ def test_no_recompile_on_hparam_change():
 
 
 META_CONFIGS = [
-    {},
     {"amsgrad": True, "betas": (0.5, 0.9)},
     {"weight_decay": 0.1},
     {"weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True},
