@@ -76,6 +76,16 @@ def test_amsgrad_keeps_max_of_raw_second_moment():
     assert s.max_exp_avg_sq["w"].tolist() == [50.0, 50.0]  # raw (1 - 0.5) * 100, not corrected
 
 
+def test_array_hyperparameters_like_torch_tensors():
+    # torch takes 1-element tensors for lr and betas; they are squeezed to 0-d state arrays
+    params, grads = af.stream(np.float64, seed=6, shape=af.EAGER_SHAPE, steps=4, none_every=0)
+    tx = fo.adam(lr=jnp.array([0.05]), betas=(jnp.array(0.8), jnp.array([0.99])))
+    p_arr, s_arr = af.run_jax_eager(tx, params, grads)
+    p_num, _ = af.run_jax_eager(fo.adam(lr=0.05, betas=(0.8, 0.99)), params, grads)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.all(x == y)), p_arr, p_num))
+    assert fo.get_hparams(s_arr)["lr"].shape == () and fo.get_hparams(s_arr)["betas"][1].shape == ()
+
+
 def test_none_gradients_follow_torch():
     af.none_gradients_vs_torch(NAME, {"lr": 0.05, "amsgrad": True, "weight_decay": 0.1})
 
