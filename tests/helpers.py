@@ -23,7 +23,9 @@ def make_tree(shape_tree: Any, rng: np.random.Generator, dtype: Any = np.float64
     def is_shape(x):
         return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
-    return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), shape_tree, is_leaf=is_shape)
+    return jax.tree.map(
+        lambda s: rng.standard_normal(s).astype(dtype), shape_tree, is_leaf=is_shape
+    )
 
 
 def grad_stream(
