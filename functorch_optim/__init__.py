@@ -4,8 +4,13 @@
 """
 
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
+from functorch_optim._adam import adam
+from functorch_optim._adamax import adamax
+from functorch_optim._adamw import adamw
 from functorch_optim._base import TorchState, apply_updates, step
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._nadam import nadam
+from functorch_optim._radam import radam
 from functorch_optim._sgd import sgd
 from functorch_optim._sharding import data_parallel_grad, state_shardings
 
@@ -18,11 +23,16 @@ __all__ = [
     "GradAccumulateState",
     "HParams",
     "TorchState",
+    "adam",
+    "adamax",
+    "adamw",
     "apply_updates",
     "data_parallel_grad",
     "get_hparams",
     "grad_accumulate",
+    "nadam",
     "optim",
+    "radam",
     "set_hparams",
     "sgd",
     "state_shardings",

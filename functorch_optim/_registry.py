@@ -11,6 +11,11 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from functorch_optim._adam import adam
+from functorch_optim._adamax import adamax
+from functorch_optim._adamw import adamw
+from functorch_optim._nadam import nadam
+from functorch_optim._radam import radam
 from functorch_optim._sgd import sgd
 
 
@@ -54,7 +59,66 @@ def _sgd_grid() -> tuple[dict[str, Any], ...]:
     return tuple(c for c in grid if not c["nesterov"] or (c["momentum"] > 0 and c["dampening"] == 0))
 
 
-OPTIMIZERS: tuple[OptimizerSpec, ...] = (OptimizerSpec("sgd", sgd, "SGD", ("momentum_buffer",), _sgd_grid()),)
+# The Adam family: betas as data, both weight-decay modes, every structural flag.
+_BETAS = ((0.9, 0.999), (0.5, 0.9))
+
+
+def _adam_grid() -> tuple[dict[str, Any], ...]:
+    return product_grid(
+        lr=(0.05,),
+        betas=_BETAS,
+        weight_decay=(0.0, 0.1),
+        amsgrad=(False, True),
+        maximize=(False, True),
+        decoupled_weight_decay=(False, True),
+    )
+
+
+def _adamw_grid() -> tuple[dict[str, Any], ...]:
+    return product_grid(
+        lr=(0.05,), betas=_BETAS, weight_decay=(0.0, 0.1), amsgrad=(False, True), maximize=(False, True)
+    )
+
+
+def _adamax_grid() -> tuple[dict[str, Any], ...]:
+    return product_grid(lr=(0.05,), betas=_BETAS, weight_decay=(0.0, 0.1), maximize=(False, True))
+
+
+def _nadam_grid() -> tuple[dict[str, Any], ...]:
+    grid = product_grid(
+        lr=(0.05,),
+        betas=_BETAS,
+        weight_decay=(0.0, 0.1),
+        momentum_decay=(4e-3, 0.1),
+        maximize=(False, True),
+        decoupled_weight_decay=(False, True),
+    )
+    # momentum_decay is data like betas: half the product covers it
+    return tuple(c for c in grid if (c["momentum_decay"] == 4e-3) == (c["betas"] == _BETAS[0]))
+
+
+def _radam_grid() -> tuple[dict[str, Any], ...]:
+    return product_grid(
+        lr=(0.05,),
+        betas=_BETAS,
+        weight_decay=(0.0, 0.1),
+        maximize=(False, True),
+        decoupled_weight_decay=(False, True),
+    )
+
+
+# ``buffers`` lists every state name the algorithm may keep; ``max_exp_avg_sq`` exists only
+# with ``amsgrad=True`` (in torch and here).
+OPTIMIZERS: tuple[OptimizerSpec, ...] = (
+    OptimizerSpec("sgd", sgd, "SGD", ("momentum_buffer",), _sgd_grid()),
+    OptimizerSpec("adam", adam, "Adam", ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), _adam_grid()),
+    OptimizerSpec(
+        "adamw", adamw, "AdamW", ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), _adamw_grid()
+    ),
+    OptimizerSpec("adamax", adamax, "Adamax", ("step", "exp_avg", "exp_inf"), _adamax_grid()),
+    OptimizerSpec("nadam", nadam, "NAdam", ("step", "exp_avg", "exp_avg_sq", "mu_product"), _nadam_grid()),
+    OptimizerSpec("radam", radam, "RAdam", ("step", "exp_avg", "exp_avg_sq"), _radam_grid()),
+)
 
 
 def get_spec(name: str) -> OptimizerSpec:

@@ -13,6 +13,11 @@ made by ``make_optimizer_class`` (one line each). ``lr_scheduler`` (torch's sche
 driving ``param_groups``) is a submodule.
 """
 
+from functorch_optim._adam import adam
+from functorch_optim._adamax import adamax
+from functorch_optim._adamw import adamw
+from functorch_optim._nadam import nadam
+from functorch_optim._radam import radam
 from functorch_optim._sgd import sgd
 from functorch_optim.optim._optimizer import (
     TORCH_ONLY_FLAGS,
@@ -26,12 +31,23 @@ from functorch_optim.optim._optimizer import (
 
 # One line per functional factory: torch's class name and signature come from it.
 SGD = make_optimizer_class(sgd)
+Adam = make_optimizer_class(adam)
+# torch 2.13's AdamW is Adam with decoupled weight decay; its groups say so
+AdamW = make_optimizer_class(adamw, group_extras={"decoupled_weight_decay": True})
+Adamax = make_optimizer_class(adamax)
+NAdam = make_optimizer_class(nadam)
+RAdam = make_optimizer_class(radam)
 
 __all__ = [
     "SGD",
     "TORCH_ONLY_FLAGS",
+    "Adam",
+    "AdamW",
+    "Adamax",
     "GroupedParams",
+    "NAdam",
     "Optimizer",
+    "RAdam",
     "group_by",
     "make_optimizer_class",
     "path_name",

@@ -839,7 +839,10 @@ def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def make_optimizer_class(
-    factory: Callable[..., Any], name: str | None = None, module: str = "functorch_optim.optim"
+    factory: Callable[..., Any],
+    name: str | None = None,
+    module: str = "functorch_optim.optim",
+    group_extras: Mapping[str, Any] | None = None,
 ) -> type[Optimizer]:
     """The ``torch.optim``-shaped class of a functional factory: ``Adam = make_optimizer_class(adam)``.
 
@@ -853,6 +856,8 @@ def make_optimizer_class(
       name: the class name; default torch's class name, read from the factory's
         ``Algorithm``.
       module: the ``__module__`` the class reports; default ``functorch_optim.optim``.
+      group_extras: constant entries torch keeps in every parameter group without taking
+        them as arguments (AdamW's ``decoupled_weight_decay=True``); default none.
 
     Returns:
       A subclass of ``Optimizer``.
@@ -862,6 +867,7 @@ def make_optimizer_class(
     """
     fparams = _factory_parameters(factory)
     factory_sig = inspect.Signature(fparams)
+    extras = dict(group_extras or {})
     if name is None:
         name = _algorithm_of(factory(), factory).name
     fname = getattr(factory, "__name__", name)
@@ -869,7 +875,7 @@ def make_optimizer_class(
     def __init__(self: Optimizer, params: Any, *args: Any, **kwargs: Any) -> None:
         bound = factory_sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        Optimizer.__init__(self, params, dict(bound.arguments))
+        Optimizer.__init__(self, params, {**bound.arguments, **extras})
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

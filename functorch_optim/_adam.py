@@ -1,0 +1,340 @@
+"""Adam (and the rule AdamW reuses), as ``torch.optim.Adam``.
+
+Also home of what the Adam family (Adam, AdamW, Adamax, NAdam, RAdam) shares: torch's
+checks on ``lr``/``eps``/``betas``/``weight_decay`` and the per-op emulation of torch's
+CPU kernels (``lerp_``, ``mul_().addcmul_()``), each op computed in torch's opmath dtype
+and rounded to the parameter dtype, as torch does for bf16/fp16 parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._tree import opmath_dtype
+
+# --------------------------------------------------------------------------- shared checks
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether a hyperparameter is given as an array (torch's "Tensor" hyperparameters)."""
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def tensor_to_scalar(name: str, x: Any) -> Any:
+    """torch's ``_to_scalar``: a 1-element array becomes 0-d; any other size is rejected.
+
+    Raises:
+      ValueError: ``Tensor {name} must be 1-element`` (torch's text).
+    """
+    if is_tensor(x):
+        if np.size(x) != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        return jnp.reshape(x, ())
+    return x
+
+
+def betas_to_scalars(betas: Any) -> tuple[Any, Any]:
+    """``betas`` as a pair of scalars (1-element arrays squeezed, as torch does)."""
+    if callable(betas) or not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2) of numbers or 0-d arrays, got {betas!r}")
+    return (tensor_to_scalar("betas[0]", betas[0]), tensor_to_scalar("betas[1]", betas[1]))
+
+
+def validate_lr_eps_betas_wd(hp: Mapping[str, Any]) -> None:
+    """torch's checks, in torch's order, shared by Adam, AdamW, Adamax, NAdam and RAdam."""
+    lr, eps, betas, weight_decay = hp["lr"], hp["eps"], hp["betas"], hp["weight_decay"]
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+# ------------------------------------------------------------------ torch's ops, emulated
+
+
+def caster(dtype: Any) -> Callable[[Any], jax.Array]:
+    """``c(x)``: ``x`` in torch's opmath dtype for parameters of ``dtype``.
+
+    A Python-double scalar meets a float32 tensor as float32 in torch; a bf16 tensor is
+    computed in float32 and rounded back after each op (``.astype(dtype)``).
+    """
+    ct = opmath_dtype(dtype)
+    return lambda x: jnp.asarray(x).astype(ct)
+
+
+def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
+    """``start.lerp_(end, weight)`` with torch's CPU formula (two branches at 0.5)."""
+    dtype = start.dtype
+    c = caster(dtype)
+    s, e, w = c(start), c(end), c(weight)
+    diff = e - s
+    out = jnp.where(jnp.abs(w) < 0.5, s + w * diff, e - diff * (1 - w))
+    return out.astype(dtype)
+
+
+def decay_square(exp_avg_sq: jax.Array, grad: jax.Array, beta2: Any) -> jax.Array:
+    """``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``, rounded per op."""
+    dtype = exp_avg_sq.dtype
+    c = caster(dtype)
+    decayed = (c(exp_avg_sq) * c(beta2)).astype(dtype)
+    return (c(decayed) + c(1 - beta2) * c(grad) * c(grad)).astype(dtype)
+
+
+def apply_weight_decay(
+    param: jax.Array, grad: jax.Array, lr: Any, weight_decay: Any, decoupled: bool
+) -> tuple[jax.Array, jax.Array]:
+    """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)``, else
+    ``grad = grad.add(param, alpha=wd)``. Returns ``(param, grad)``."""
+    dtype = param.dtype
+    c = caster(dtype)
+    if decoupled:
+        decayed = (c(param) * c(1 - lr * weight_decay)).astype(dtype)
+        return jnp.where(weight_decay != 0, decayed, param), grad
+    coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
+    return param, jnp.where(weight_decay != 0, coupled, grad)
+
+
+def step_as_float(step: jax.Array, hp: Mapping[str, Any]) -> jax.Array:
+    """The int32 ``step`` as the float torch uses (a double under x64)."""
+    return step.astype(jnp.result_type(hp["lr"]))
+
+
+# ------------------------------------------------------------------------------ Adam rule
+
+
+def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
+    validate_lr_eps_betas_wd(hp)
+
+
+def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+    buffers = {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
+    if static["amsgrad"]:
+        buffers["max_exp_avg_sq"] = jnp.zeros_like(param)
+    return buffers
+
+
+def _step_leaf(param, grad, buffers, step, hp, static):
+    dtype = param.dtype
+    c = caster(dtype)
+    lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
+    grad = grad.astype(dtype)
+    if static["maximize"]:
+        grad = -grad
+    param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])
+    exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
+    exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
+    out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    # torch: scalars from ``step`` as a Python float, i.e. in double
+    t = step_as_float(step, hp)
+    bias_correction1 = 1 - beta1**t
+    bias_correction2 = 1 - beta2**t
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = jnp.sqrt(bias_correction2)
+    second = exp_avg_sq
+    if static["amsgrad"]:
+        # the max of the RAW second moment; bias correction comes after (optax: corrected)
+        second = jnp.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
+        out["max_exp_avg_sq"] = second
+    # denom = (v.sqrt() / bias_correction2_sqrt).add_(eps), one rounding per op
+    denom = jnp.sqrt(c(second)).astype(dtype)
+    denom = (c(denom) / c(bias_correction2_sqrt)).astype(dtype)
+    denom = (c(denom) + c(eps)).astype(dtype)
+    # param.addcdiv_(exp_avg, denom, value=-step_size): (value * t1) / t2 on CPU
+    new_param = (c(param) + c(-step_size) * c(exp_avg) / c(denom)).astype(dtype)
+    return new_param, out
+
+
+ADAM_ALGORITHM = Algorithm(name="Adam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+ADAMW_ALGORITHM = Algorithm(name="AdamW", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+
+
+def build_adam(
+    algorithm: Algorithm,
+    *,
+    lr: Any,
+    betas: Any,
+    eps: Any,
+    weight_decay: Any,
+    amsgrad: bool,
+    maximize: bool,
+    foreach: bool | None,
+    capturable: bool,
+    differentiable: bool,
+    fused: bool | None,
+    decoupled_weight_decay: bool,
+) -> optax.GradientTransformationExtraArgs:
+    """The Adam rule with torch ``Adam.__init__``'s checks, in torch's order."""
+    if is_tensor(lr):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        lr = tensor_to_scalar("lr", lr)
+    if callable(betas) or not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2) of numbers or 0-d arrays, got {betas!r}")
+    hparams = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+    static = {
+        "amsgrad": bool(amsgrad),
+        "maximize": bool(maximize),
+        "decoupled_weight_decay": bool(decoupled_weight_decay),
+    }
+    # value checks first (make_optimizer runs them), then the type checks, as torch orders them
+    for i, b in enumerate(betas):
+        if is_tensor(b) and np.size(b) != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    hparams["betas"] = betas_to_scalars(betas)
+    tx = make_optimizer(algorithm, hparams, static)
+    if not (
+        (isinstance(betas[0], float) and isinstance(betas[1], float))
+        or (is_tensor(betas[0]) and is_tensor(betas[1]))
+    ):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if is_tensor(b) and not capturable and foreach:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+    if fused:
+        if differentiable:
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    return tx
+
+
+_MATH = r"""
+    .. math::
+
+        g_t &\leftarrow \pm \nabla_\theta f_t(\theta_{t-1}) \quad (- \text{ if maximize}) \\
+        \theta_{t-1} &\leftarrow \theta_{t-1}(1 - \gamma\lambda)
+            \quad \text{if decoupled and } \lambda \ne 0 \\
+        g_t &\leftarrow g_t + \lambda\theta_{t-1}
+            \quad \text{if not decoupled and } \lambda \ne 0 \\
+        m_t &\leftarrow \operatorname{lerp}(m_{t-1}, g_t, 1 - \beta_1) \\
+        v_t &\leftarrow \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        v^{max}_t &\leftarrow \max(v^{max}_{t-1}, v_t) \quad \text{if amsgrad
+            (raw } v_t\text{, not bias-corrected)} \\
+        \hat v_t &\leftarrow v^{max}_t \text{ if amsgrad else } v_t \\
+        \theta_t &\leftarrow \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \cdot
+            \frac{m_t}{\sqrt{\hat v_t} / \sqrt{1 - \beta_2^t} + \epsilon}
+
+    with :math:`\gamma` = ``lr``, :math:`(\beta_1, \beta_2)` = ``betas``,
+    :math:`\epsilon` = ``eps``, :math:`\lambda` = ``weight_decay`` and :math:`t` the
+    number of gradients the parameter has received (its ``step``). Parameters whose
+    gradient is ``None`` are skipped, state included.
+"""
+
+_NOTE = """
+    Note:
+      Where optax differs: ``optax.amsgrad`` takes the maximum of the *bias-corrected*
+      second moment; torch (and this function) keep ``max(max_exp_avg_sq, exp_avg_sq)`` of
+      the *raw* moment and divide by :math:`\\sqrt{1 - \\beta_2^t}` afterwards — identical
+      at step 1, different from step 2 on. Even where optax's formula agrees, its operation
+      order differs (``sqrt(v / bc2)`` vs torch's ``sqrt(v) / sqrt(bc2)``), a 1e-16..1e-13
+      effect; this function copies torch's order. Bias corrections are computed in the
+      hyperparameter dtype (float64 under x64), as torch computes them in Python doubles.
+
+      ``foreach``, ``capturable`` and ``fused`` have no effect (XLA fuses the loop);
+      ``differentiable`` has none either, every step is differentiable with ``jax.grad``.
+      torch's ``differentiable=True`` path computes its bias corrections from the float
+      ``step`` tensor, in torch's *default* dtype: it agrees with this function to 1e-10
+      in float64 only under ``torch.set_default_dtype(torch.float64)``. torch's checks on
+      these flags are kept (e.g. a 0-d array ``lr`` with ``foreach=True``).
+"""
+
+
+def adam(
+    lr: Any = 1e-3,
+    betas: tuple[Any, Any] = (0.9, 0.999),
+    eps: Any = 1e-8,
+    weight_decay: Any = 0,
+    amsgrad: bool = False,
+    *,
+    foreach: bool | None = None,
+    maximize: bool = False,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
+    decoupled_weight_decay: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    return build_adam(
+        ADAM_ALGORITHM,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
+        fused=fused,
+        decoupled_weight_decay=decoupled_weight_decay,
+    )
+
+
+adam.__doc__ = (
+    r"""Adam with torch's exact semantics (``torch.optim.Adam``).
+
+    For each parameter :math:`\theta` with gradient :math:`g_t`:
+"""
+    + _MATH
+    + r"""
+    Args:
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
+        schedule ``count -> value``.
+      betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999): both Python floats or both
+        1-element arrays (torch's rule).
+      eps: added to the denominator, default 1e-8.
+      weight_decay: :math:`\lambda`, default 0: an L2 penalty added to the gradient, or
+        decoupled (AdamW) decay with ``decoupled_weight_decay=True``.
+      amsgrad: use the AMSGrad variant, default False (static).
+      foreach: accepted for torch compatibility; no effect.
+      maximize: maximize the objective instead of minimizing, default False (static).
+      capturable: accepted for torch compatibility; no effect.
+      differentiable: accepted for torch compatibility; no effect (see Note).
+      fused: accepted for torch compatibility; no effect.
+      decoupled_weight_decay: apply weight decay to the parameter, not the gradient (the
+        AdamW rule), default False (static).
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs`` whose state is a ``TorchState`` with
+      hyperparameters ``lr``, ``betas``, ``eps``, ``weight_decay`` and buffers ``step``
+      (int32), ``exp_avg``, ``exp_avg_sq`` and, with ``amsgrad``, ``max_exp_avg_sq``.
+
+    Raises:
+      ValueError: torch's texts: ``Invalid learning rate: {lr}``, ``Invalid epsilon
+        value: {eps}``, ``Invalid beta parameter at index 0: {betas[0]}`` (and index 1),
+        ``Invalid weight_decay value: {weight_decay}``, ``Tensor lr must be 1-element``,
+        ``betas must be either both floats or both Tensors``, ``lr as a Tensor is not
+        supported for capturable=False and foreach=True``.
+      RuntimeError: torch's "`fused` does not support `differentiable`" and "`fused`
+        and `foreach` cannot be `True` together." (only with ``fused=True``).
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.adam(lr=0.1)
+      >>> params = {"w": jnp.array([1.0, -1.0])}
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([0.5, -2.0])}, tx.init(params))
+      >>> [round(x, 6) for x in params["w"].tolist()]  # step 1 moves by lr * sign(g)
+      [0.9, -0.9]
+      >>> sorted(state.buffers)
+      ['exp_avg', 'exp_avg_sq', 'step']
+"""
+    + _NOTE
+    + """
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015; Reddi et al.,
+      "On the Convergence of Adam and Beyond", ICLR 2018. Mirrors ``torch.optim.Adam``
+      (``_single_tensor_adam``).
+    """
+)

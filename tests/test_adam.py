@@ -1,0 +1,130 @@
+"""adam: parity with torch.optim.Adam, NumPy reference, validation, meta-gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import functorch_optim as fo
+from functorch_optim._registry import get_spec
+from tests import adam_family as af
+
+NAME = "adam"
+GRID = get_spec(NAME).grid
+DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="float32")]
+
+
+def numpy_adam(params, grads, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay):
+    """Adam from the paper's formulas in float64 (torch's AMSGrad: max of the raw moment)."""
+    b1, b2 = betas
+    leaves, treedef = jax.tree.flatten(params)
+    ps = [np.array(p, np.float64) for p in leaves]
+    st = [dict(t=0, m=np.zeros_like(p), v=np.zeros_like(p), vmax=np.zeros_like(p)) for p in ps]
+    for gtree in grads:
+        for i, g in enumerate(treedef.flatten_up_to(gtree)):
+            if g is None:
+                continue
+            s, p = st[i], ps[i]
+            s["t"] += 1
+            t = s["t"]
+            g = -g if maximize else g
+            if decoupled_weight_decay:
+                p = p * (1 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+            s["m"] = b1 * s["m"] + (1 - b1) * g
+            s["v"] = b2 * s["v"] + (1 - b2) * g * g
+            s["vmax"] = np.maximum(s["vmax"], s["v"])
+            v = s["vmax"] if amsgrad else s["v"]
+            m_hat = s["m"] / (1 - b1**t)
+            v_hat = v / (1 - b2**t)
+            ps[i] = p - lr * m_hat / (np.sqrt(v_hat) + eps)
+    out = {"exp_avg": [s["m"] for s in st], "exp_avg_sq": [s["v"] for s in st]}
+    if amsgrad:
+        out["max_exp_avg_sq"] = [s["vmax"] for s in st]
+    return treedef.unflatten(ps), {k: treedef.unflatten(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", GRID, ids=af.config_id)
+def test_parity_with_torch(config, dtype):
+    errs = af.assert_parity(NAME, config, dtype)
+    if config["amsgrad"]:
+        assert "max_exp_avg_sq" in errs
+
+
+@pytest.mark.parametrize(
+    "config",
+    [c for c in GRID if c["weight_decay"] and c["betas"][0] == 0.5 and (c["amsgrad"] or c["maximize"])],
+    ids=af.config_id,
+)
+def test_numpy_reference(config):
+    af.assert_numpy_reference(NAME, config, numpy_adam)
+
+
+def test_amsgrad_keeps_max_of_raw_second_moment():
+    # step 1: g = 10 (large v); step 2: g = 0 -> v shrinks, the max keeps step 1's raw v
+    tx = fo.adam(lr=0.1, betas=(0.9, 0.5), amsgrad=True)
+    p = {"w": jnp.array([1.0, 1.0])}
+    s = tx.init(p)
+    p, s = fo.step(tx, p, {"w": jnp.array([10.0, 10.0])}, s)
+    p, s = fo.step(tx, p, {"w": jnp.array([0.0, 0.0])}, s)
+    assert s.exp_avg_sq["w"].tolist() == [25.0, 25.0]
+    assert s.max_exp_avg_sq["w"].tolist() == [50.0, 50.0]  # raw (1 - 0.5) * 100, not corrected
+
+
+def test_array_hyperparameters_like_torch_tensors():
+    # torch takes 1-element tensors for lr and betas; they are squeezed to 0-d state arrays
+    params, grads = af.stream(np.float64, seed=6, shape=af.EAGER_SHAPE, steps=4, none_every=0)
+    tx = fo.adam(lr=jnp.array([0.05]), betas=(jnp.array(0.8), jnp.array([0.99])))
+    p_arr, s_arr = af.run_jax_eager(tx, params, grads)
+    p_num, _ = af.run_jax_eager(fo.adam(lr=0.05, betas=(0.8, 0.99)), params, grads)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.all(x == y)), p_arr, p_num))
+    assert fo.get_hparams(s_arr)["lr"].shape == () and fo.get_hparams(s_arr)["betas"][1].shape == ()
+
+
+def test_none_gradients_follow_torch():
+    af.none_gradients_vs_torch(NAME, {"lr": 0.05, "amsgrad": True, "weight_decay": 0.1})
+
+
+def test_bfloat16_rounds_per_op_like_torch():
+    max_ulp, differing = af.bf16_vs_torch(NAME, {"lr": 0.01, "amsgrad": True, "weight_decay": 0.1})
+    assert max_ulp <= 1 and differing <= 0.05, (max_ulp, differing)
+
+
+@pytest.mark.parametrize("row", af.common_error_rows(adam_rules=True), ids=af.row_id)
+def test_validation_matches_torch(row):
+    af.check_error_row(NAME, *row)
+
+
+def test_set_hparams_validates_like_torch():
+    state = fo.adam().init({"w": jnp.zeros(2)})
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1\.0"):
+        fo.set_hparams(state, betas=(0.9, 1.0))
+    assert [float(b) for b in fo.get_hparams(state)["betas"]] == [0.9, 0.999]
+
+
+def test_signature_matches_torch():
+    af.assert_signature_matches_torch(NAME)
+
+
+def test_no_recompile_on_hparam_change():
+    af.assert_no_recompile(
+        NAME, {"amsgrad": True}, {"lr": 0.02, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.2}
+    )
+
+
+META_CONFIGS = [
+    {"amsgrad": True, "betas": (0.5, 0.9)},
+    {"weight_decay": 0.1},
+    {"weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True},
+]
+
+
+@pytest.mark.parametrize("index", range(len(META_CONFIGS)), ids=[af.config_id(c) for c in META_CONFIGS])
+def test_meta_gradients_match_torch_differentiable(index):
+    # torch's differentiable Adam computes bias corrections in its default dtype: float64 here
+    af.assert_meta_grads(NAME, META_CONFIGS, index, lr=0.05, default_dtype=torch.float64)

@@ -1,0 +1,101 @@
+"""adamw: parity with torch.optim.AdamW, NumPy reference, validation, meta-gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import functorch_optim as fo
+from functorch_optim._registry import get_spec
+from tests import adam_family as af
+from tests.helpers import rel_err
+
+NAME = "adamw"
+GRID = get_spec(NAME).grid
+DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="float32")]
+
+
+def numpy_adamw(params, grads, lr, betas, eps, weight_decay, amsgrad, maximize):
+    """AdamW (Loshchilov & Hutter) in float64: decay the parameter, then the Adam step."""
+    b1, b2 = betas
+    leaves, treedef = jax.tree.flatten(params)
+    ps = [np.array(p, np.float64) for p in leaves]
+    st = [dict(t=0, m=np.zeros_like(p), v=np.zeros_like(p), vmax=np.zeros_like(p)) for p in ps]
+    for gtree in grads:
+        for i, g in enumerate(treedef.flatten_up_to(gtree)):
+            if g is None:
+                continue
+            s = st[i]
+            s["t"] += 1
+            t = s["t"]
+            g = -g if maximize else g
+            p = ps[i] * (1 - lr * weight_decay)
+            s["m"] = b1 * s["m"] + (1 - b1) * g
+            s["v"] = b2 * s["v"] + (1 - b2) * g * g
+            s["vmax"] = np.maximum(s["vmax"], s["v"])
+            v_hat = (s["vmax"] if amsgrad else s["v"]) / (1 - b2**t)
+            ps[i] = p - lr * (s["m"] / (1 - b1**t)) / (np.sqrt(v_hat) + eps)
+    out = {"exp_avg": [s["m"] for s in st], "exp_avg_sq": [s["v"] for s in st]}
+    if amsgrad:
+        out["max_exp_avg_sq"] = [s["vmax"] for s in st]
+    return treedef.unflatten(ps), {k: treedef.unflatten(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", GRID, ids=af.config_id)
+def test_parity_with_torch(config, dtype):
+    af.assert_parity(NAME, config, dtype)
+
+
+@pytest.mark.parametrize(
+    "config", [c for c in GRID if c["weight_decay"] and c["betas"][0] == 0.5], ids=af.config_id
+)
+def test_numpy_reference(config):
+    af.assert_numpy_reference(NAME, config, numpy_adamw)
+
+
+def test_is_adam_with_decoupled_weight_decay():
+    # one rule: adamw(...) and adam(..., decoupled_weight_decay=True) give identical numbers
+    params, grads = af.stream(np.float64, seed=4, shape=af.EAGER_SHAPE, steps=6, none_every=0)
+    kw = {"lr": 0.1, "weight_decay": 0.3, "amsgrad": True}
+    pw, sw = af.run_jax_eager(fo.adamw(**kw), params, grads)
+    pa, sa = af.run_jax_eager(fo.adam(decoupled_weight_decay=True, **kw), params, grads)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.all(x == y)), (pw, sw.buffers), (pa, sa.buffers)))
+    pc, _ = af.run_jax_eager(fo.adam(**kw), params, grads)  # coupled L2: different numbers
+    assert rel_err(pc, pw) > 1e-3
+    assert (sw.hparams.kind, sa.hparams.kind) == ("AdamW", "Adam")
+
+
+def test_none_gradients_follow_torch():
+    af.none_gradients_vs_torch(NAME, {"lr": 0.05, "amsgrad": True})
+
+
+def test_bfloat16_rounds_per_op_like_torch():
+    max_ulp, differing = af.bf16_vs_torch(NAME, {"lr": 0.01, "amsgrad": True})
+    assert max_ulp <= 1 and differing <= 0.05, (max_ulp, differing)
+
+
+@pytest.mark.parametrize("row", af.common_error_rows(adam_rules=True), ids=af.row_id)
+def test_validation_matches_torch(row):
+    af.check_error_row(NAME, *row)
+
+
+def test_signature_matches_torch():
+    af.assert_signature_matches_torch(NAME)
+    assert float(fo.get_hparams(fo.adamw().init({"w": jnp.zeros(1)}))["weight_decay"]) == 1e-2
+
+
+def test_no_recompile_on_hparam_change():
+    af.assert_no_recompile(NAME, {}, {"lr": 0.02, "betas": (0.8, 0.99), "weight_decay": 0.2})
+
+
+META_CONFIGS = [{}, {"weight_decay": 0.1, "maximize": True}]
+
+
+@pytest.mark.parametrize("index", range(len(META_CONFIGS)), ids=[af.config_id(c) for c in META_CONFIGS])
+def test_meta_gradients_match_torch_differentiable(index):
+    # torch's differentiable AdamW computes bias corrections in its default dtype: float64 here
+    af.assert_meta_grads(NAME, META_CONFIGS, index, lr=0.05, default_dtype=torch.float64)
