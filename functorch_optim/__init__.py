@@ -3,21 +3,64 @@
 ``__all__`` is the public API; everything in underscored modules is private.
 """
 
+from functorch_optim import schedules
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
+from functorch_optim._averaging import (
+    AveragedModel,
+    AveragedModelState,
+    averaged_model,
+    get_ema_avg_fn,
+    get_ema_multi_avg_fn,
+    get_swa_avg_fn,
+    get_swa_multi_avg_fn,
+)
 from functorch_optim._base import TorchState, apply_updates, step
+from functorch_optim._clip import (
+    ClipGradNormState,
+    clip_grad_norm,
+    clip_grad_norm_transform,
+    clip_grad_value,
+    clip_grad_value_transform,
+    clip_grads_with_norm,
+    get_total_norm,
+)
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._nonfinite import SkipNonfiniteState, all_finite, skip_nonfinite
+from functorch_optim._scaler import GradScaler, GradScalerState, LossScaleState, TorchAssertionError
 from functorch_optim._sgd import sgd
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AveragedModel",
+    "AveragedModelState",
+    "ClipGradNormState",
     "GradAccumulateState",
+    "GradScaler",
+    "GradScalerState",
     "HParams",
+    "LossScaleState",
+    "SkipNonfiniteState",
+    "TorchAssertionError",
     "TorchState",
+    "all_finite",
     "apply_updates",
+    "averaged_model",
+    "clip_grad_norm",
+    "clip_grad_norm_transform",
+    "clip_grad_value",
+    "clip_grad_value_transform",
+    "clip_grads_with_norm",
+    "get_ema_avg_fn",
+    "get_ema_multi_avg_fn",
     "get_hparams",
+    "get_swa_avg_fn",
+    "get_swa_multi_avg_fn",
+    "get_total_norm",
     "grad_accumulate",
+    "schedules",
     "set_hparams",
     "sgd",
+    "skip_nonfinite",
     "step",
 ]

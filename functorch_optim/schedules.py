@@ -237,7 +237,6 @@ class Schedule:
         self.lr = lr
         self.key = key
         self._start_lr = _as_lr(lr if start_lr is None else start_lr)
-        self._init = None
 
     @property
     def name(self) -> str:
@@ -260,9 +259,7 @@ class Schedule:
         return group
 
     def _construct(self) -> tuple[Group, SState]:
-        if self._init is None:
-            self._init = self._spec.construct(self._group0())
-        return self._init
+        return self._spec.construct(self._group0())
 
     def init_schedule(self) -> tuple[jax.Array, tuple[Group, SState]]:
         group, st = self._construct()
@@ -292,6 +289,12 @@ class Schedule:
     def values(self, n: int) -> np.ndarray:
         """The values after 0, 1, ..., ``n`` steps (torch's ``get_last_lr()`` sequence)."""
         value, state = self.init_schedule()
+        if n <= 16:  # op by op: no compilation for a short look
+            out = [value]
+            for _ in range(n):
+                value, state = self.step_schedule(value, state)
+                out.append(value)
+            return np.asarray(jnp.stack([jnp.asarray(v) for v in out]))
         return np.asarray(_run(self, value, state, int(n)))
 
     def __call__(self, count: Any) -> jax.Array:
@@ -1047,8 +1050,6 @@ def cyclic_lr(
       >>> s.values(4).round(6).tolist()
       [0.1, 0.3, 0.5, 0.3, 0.1]
     """
-    if mode not in ["triangular", "triangular2", "exp_range"] and scale_fn is None:
-        raise ValueError("mode is invalid and scale_fn is None")
     start = lr
     if start is None:
         start = (
@@ -1058,9 +1059,16 @@ def cyclic_lr(
         )
     spec = _CyclicLR(base_lr, max_lr, step_size_up, step_size_down, mode, gamma, scale_fn, scale_mode,
                      cycle_momentum, base_momentum, max_momentum)  # fmt: skip
-    sched = Schedule(spec, lr, start_lr=start)
-    sched._construct()  # torch validates the per-group lists at construction
-    return sched
+    # torch's checks, in its order
+    shape = jnp.shape(_as_lr(start))
+    _format_param("base_lr", shape, base_lr)
+    _format_param("max_lr", shape, max_lr)
+    if mode not in ["triangular", "triangular2", "exp_range"] and scale_fn is None:
+        raise ValueError("mode is invalid and scale_fn is None")
+    if cycle_momentum:
+        _format_param("base_momentum", shape, base_momentum)
+        _format_param("max_momentum", shape, max_momentum)
+    return Schedule(spec, lr, start_lr=start)
 
 
 def one_cycle_lr(
@@ -1155,16 +1163,19 @@ def one_cycle_lr(
         raise ValueError(f"Expected float between 0 and 1 pct_start, but got {pct_start}")
     if anneal_strategy not in ["cos", "linear"]:
         raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
-    if phases[0]["end_step"] == 0.0:
-        raise ZeroDivisionError("float division by zero")
     spec = _OneCycleLR(max_lr, total_steps, pct_start, anneal_strategy, cycle_momentum, base_momentum,
                        max_momentum, div_factor, final_div_factor, phases)  # fmt: skip
     start = lr
     if start is None:
         start = [m / div_factor for m in max_lr] if isinstance(max_lr, list | tuple) else max_lr / div_factor
-    sched = Schedule(spec, lr, start_lr=start)
-    sched._construct()
-    return sched
+    shape = jnp.shape(_as_lr(start))
+    for name, value in [("max_lr", max_lr)] + (
+        [("max_momentum", max_momentum), ("base_momentum", base_momentum)] if cycle_momentum else []
+    ):
+        _format_param(name, shape, value)  # torch's per-group length checks, in its order
+    if phases[0]["end_step"] == 0.0:  # torch's initial step divides by the phase length
+        raise ZeroDivisionError("float division by zero")
+    return Schedule(spec, lr, start_lr=start)
 
 
 def swalr(
