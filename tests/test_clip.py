@@ -20,9 +20,10 @@ def _torch_clip(grads, fn):
     leaves, treedef = jax.tree.flatten(grads, is_leaf=lambda x: x is None)
     params = []
     for g in leaves:
-        p = torch.zeros(np.shape(g), dtype=torch.from_numpy(np.asarray(g)).dtype if g is not None else None)
+        g = None if g is None else np.array(g)
+        p = torch.zeros(np.shape(g), dtype=None if g is None else torch.from_numpy(g).dtype)
         p.requires_grad_(True)
-        p.grad = None if g is None else torch.tensor(np.asarray(g))
+        p.grad = None if g is None else torch.tensor(g)
         params.append(p)
     out = fn(params)
     clipped = treedef.unflatten([None if p.grad is None else p.grad.numpy() for p in params])

