@@ -119,10 +119,14 @@ def make_optimizer(
         buffers = {"step": step}
         for name in names:
             buffers[name] = jax.tree.map(lambda _, b, n=name: b[n], params, leaf_buffers)
+        # fresh buffers per init: a donated state must not alias another state, itself, or
+        # the construction-time values every init starts from
         values = {k: as_hparam(v) for k, v in first.items()}
+        values = jax.tree.map(lambda x: jnp.array(x, copy=True), values)
+        sched_state = jax.tree.map(lambda x: jnp.array(x, copy=True), schedule_state)
         return TorchState(
             HParams(
-                values, algorithm.name, algorithm.validate, static, tuple(sorted(schedules)), schedule_state
+                values, algorithm.name, algorithm.validate, static, tuple(sorted(schedules)), sched_state
             ),
             jnp.zeros((), jnp.int32),
             buffers,
@@ -210,9 +214,8 @@ class _TupleSchedule:
         self.constants = tuple(entries)
 
     def init_schedule(self) -> tuple[tuple, tuple]:
-        pairs = [
-            d.init_schedule() if d is not None else (c, ()) for d, c in zip(self.entries, self.constants, strict=True)
-        ]
+        entries = zip(self.entries, self.constants, strict=True)
+        pairs = [d.init_schedule() if d is not None else (c, ()) for d, c in entries]
         return tuple(v for v, _ in pairs), tuple(s for _, s in pairs)
 
     def step_schedule(self, value: tuple, state: tuple, count: jax.Array) -> tuple[tuple, tuple]:

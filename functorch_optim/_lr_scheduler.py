@@ -61,6 +61,16 @@ def _read(optimizer: Any, key: str) -> jax.Array:
 class LRScheduler:
     """Base class: one ``functorch_optim.schedules`` schedule over all param groups.
 
+    Examples:
+      >>> from functorch_optim.optim import lr_scheduler
+      >>> class Opt:  # anything with ``param_groups``
+      ...     param_groups = [{"lr": 1.0}, {"lr": 0.1}]
+      >>> opt = Opt()
+      >>> sched = lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+      >>> sched.step()
+      >>> [round(g["lr"], 6) for g in opt.param_groups], sched.last_epoch
+      ([0.5, 0.05], 1)
+
     Attributes:
       optimizer: the driven optimizer.
       last_epoch: scheduler steps taken (torch's ``last_epoch`` for simple schedulers).

@@ -155,7 +155,10 @@ class GradScaler:
 
         One call is torch's ``scaler.step(optimizer); scaler.update()``. On a step with
         inf/NaN the parameters and the inner state (buffers, counters, schedule) do not
-        move.
+        move. With accumulation use ``grad_accumulate(scaler.wrap(tx), k)``: the scaled
+        gradients of a window are summed, then unscaled, checked and stepped once, and the
+        scale moves once per window (torch's ``backward()`` k times, then ``step`` and
+        ``update``).
 
         Returns:
           An optax ``GradientTransformationExtraArgs`` with a ``LossScaleState``.

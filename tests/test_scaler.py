@@ -126,3 +126,22 @@ def test_float16_gradients_are_refused_like_torch():
     g, st = scaler.unscale(scaler.init(), {"w": jnp.full(2, 2.0**17, jnp.bfloat16)})
     assert g["w"].dtype == jnp.bfloat16 and g["w"].tolist() == [2.0, 2.0]
     assert jax.tree.structure(st) == jax.tree.structure(scaler.init())
+
+
+def test_with_grad_accumulate_scale_moves_once_per_window():
+    """grad_accumulate(scaler.wrap(tx), k): torch's accumulate-then-scaler.step/update."""
+    scaler = fo.GradScaler(init_scale=16.0, growth_interval=1)
+    tx = fo.grad_accumulate(scaler.wrap(fo.sgd(lr=1.0)), every=2, reduction="sum")
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    micro = [[1.0, 2.0], [3.0, 4.0], [np.inf, 0.0], [1.0, 1.0], [0.5, 0.5], [0.5, 0.5]]
+    scales = []
+    for g in micro:
+        scale = float(state.inner_state.scaler.scale)
+        params, state = fo.step(tx, params, {"w": jnp.asarray(g) * scale}, state)
+        scales.append(float(state.inner_state.scaler.scale))
+    # window 1 steps and grows (16 -> 32); window 2 holds an inf: skipped, backs off (32 -> 16);
+    # window 3 steps on (0.5 + 0.5) * 2 unscaled and grows again
+    assert scales == [16.0, 32.0, 32.0, 16.0, 16.0, 32.0]
+    assert np.asarray(params["w"]).tolist() == [-5.0, -7.0]
+    assert int(state.inner_state.inner_state.count) == 2

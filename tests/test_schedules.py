@@ -554,3 +554,17 @@ def test_sub_schedules_must_share_the_lr():
         S.sequential_lr([S.step_lr(0.1, 2), lambda c: 0.1], [3])
     with pytest.raises(ValueError, match="step_size must be an integer >= 1, got 0"):
         S.step_lr(0.1, 0)
+
+
+def test_donated_steps_and_repeated_init():
+    """State leaves never share buffers, so a donated step works and init stays reusable."""
+    sched = S.sequential_lr([S.linear_lr(0.1, 0.1, 1.0, 5), S.cyclic_lr(0.01, 0.1, 3, lr=0.1)], [5])
+    tx = fo.sgd(lr=sched, momentum=sched.momentum)
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    for _ in range(8):
+        params, state = step(params, {"w": jnp.ones(3)}, state)
+    ref = sched.values(8)
+    assert float(fo.get_hparams(state)["lr"]) == ref[8]
+    assert float(fo.get_hparams(tx.init({"w": jnp.ones(3)}))["lr"]) == ref[0]
