@@ -155,6 +155,10 @@ def averaged_model(avg_fn: AvgFn | None = None, multi_avg_fn: AvgFn | None = Non
       ...     state = swa.update(state, {"w": jnp.array([w])})
       >>> state.params["w"].tolist(), int(state.n_averaged)
       ([3.0], 3)
+
+    References:
+      Izmailov et al., "Averaging Weights Leads to Wider Optima and Better
+      Generalization", UAI 2018. Mirrors ``torch.optim.swa_utils.AveragedModel``.
     """
     if avg_fn is not None and multi_avg_fn is not None:
         raise TorchAssertionError("Only one of avg_fn and multi_avg_fn should be provided")

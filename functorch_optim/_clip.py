@@ -124,6 +124,10 @@ def clip_grad_norm(
     Note:
       ``optax.clip_by_global_norm`` scales by ``max_norm / N`` without the ``+ 1e-6`` and
       only supports the 2-norm.
+
+    References:
+      Pascanu, Mikolov & Bengio, "On the difficulty of training recurrent neural
+      networks", ICML 2013. Mirrors ``torch.nn.utils.clip_grad_norm_``.
     """
     del foreach
     total = get_total_norm(grads, norm_type, error_if_nonfinite)

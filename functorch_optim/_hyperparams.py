@@ -137,7 +137,7 @@ class HParams(Mapping):
         keys, kind, validator, static, scheduled = aux
         obj = object.__new__(cls)
         children = list(children)
-        obj._values = dict(zip(keys, children[: len(keys)]))
+        obj._values = dict(zip(keys, children[: len(keys)], strict=True))
         obj.kind, obj.validator, obj._static, obj.scheduled = kind, validator, static, scheduled
         obj.schedule_state = children[len(keys)]
         return obj

@@ -62,6 +62,16 @@ class GradScaler:
     Raises:
       TorchAssertionError: torch's ``The growth factor must be > 1.0.`` / ``The backoff
         factor must be < 1.0.`` (an ``AssertionError`` as in torch, and a ``ValueError``).
+
+    Note:
+      optax has no loss scaler; this one keeps torch's float32 scale, its float32
+      ``1 / scale`` (from a double reciprocal) and its growth/backoff rule, so scaled
+      float16/bfloat16 training skips the same steps as torch.
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018. Mirrors
+      ``torch.amp.GradScaler`` (``_amp_foreach_non_finite_check_and_unscale_``,
+      ``_amp_update_scale_``).
     """
 
     init_scale: float = 2.0**16

@@ -959,6 +959,10 @@ def cosine_annealing_lr(lr: Any, T_max: int, eta_min: float = 0.0) -> Schedule:
     Note:
       optax's ``cosine_decay_schedule`` stays at its final value after the decay; torch
       (and this) go back up.
+
+    References:
+      Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts", ICLR
+      2017. Mirrors ``torch.optim.lr_scheduler.CosineAnnealingLR``.
     """
     return Schedule(_CosineAnnealingLR(T_max, eta_min), lr)
 
@@ -986,6 +990,10 @@ def cosine_annealing_warm_restarts(lr: Any, T_0: int, T_mult: int = 1, eta_min: 
       >>> import functorch_optim as fo
       >>> fo.schedules.cosine_annealing_warm_restarts(1.0, T_0=2).values(4).round(6).tolist()
       [1.0, 0.5, 1.0, 0.5, 1.0]
+
+    References:
+      Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts", ICLR
+      2017. Mirrors ``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts``.
     """
     if T_0 <= 0 or not isinstance(T_0, int):
         raise ValueError(f"Expected positive integer T_0, but got {T_0}")
@@ -1049,6 +1057,10 @@ def cyclic_lr(
       >>> s = fo.schedules.cyclic_lr(0.1, 0.5, step_size_up=2, cycle_momentum=False)
       >>> s.values(4).round(6).tolist()
       [0.1, 0.3, 0.5, 0.3, 0.1]
+
+    References:
+      Smith, "Cyclical Learning Rates for Training Neural Networks", WACV 2017. Mirrors
+      ``torch.optim.lr_scheduler.CyclicLR``.
     """
     start = lr
     if start is None:
@@ -1131,6 +1143,10 @@ def one_cycle_lr(
       ...                               cycle_momentum=False)
       >>> s.values(4).round(6).tolist()
       [0.1, 1.0, 0.7, 0.4, 0.1]
+
+    References:
+      Smith & Topin, "Super-Convergence: Very Fast Training of Neural Networks Using Large
+      Learning Rates", 2017. Mirrors ``torch.optim.lr_scheduler.OneCycleLR``.
     """
     if total_steps is not None:
         if total_steps <= 0 or not isinstance(total_steps, int):
@@ -1207,6 +1223,10 @@ def swalr(
       >>> s = fo.schedules.swalr(1.0, swa_lr=0.5, anneal_epochs=2, anneal_strategy="linear")
       >>> s.values(3).round(6).tolist()
       [1.0, 0.75, 0.5, 0.5]
+
+    References:
+      Izmailov et al., "Averaging Weights Leads to Wider Optima and Better
+      Generalization", UAI 2018. Mirrors ``torch.optim.swa_utils.SWALR``.
     """
     shape = jnp.shape(_as_lr(lr))
     _format_param("swa_lr", shape, swa_lr)

@@ -141,6 +141,36 @@ CASES = {
         lambda o: L.SequentialLR(o, [L.StepLR(o, 3, 0.9), L.CyclicLR(o, 0.01, 0.1, 10)], [30]),
         lambda lr: S.sequential_lr([S.step_lr(lr, 3, 0.9), S.cyclic_lr(0.01, 0.1, 10, lr=lr)], [30]),
     ),
+    # every closed form / restart at a milestone (torch's ``_update_lr(0)``)
+    "SequentialLR-restart-each": (
+        lambda o: L.SequentialLR(
+            o,
+            [
+                L.ExponentialLR(o, 0.99),
+                L.LinearLR(o, 0.2, 0.8, 15),
+                L.ConstantLR(o, 0.4, 10),
+                L.MultiStepLR(o, [3, 20], 0.5),
+                L.PolynomialLR(o, 30, 2.0),
+                L.MultiplicativeLR(o, lambda e: 0.98),
+                L.LambdaLR(o, lambda e: 1.0 / (1.0 + 0.1 * e)),
+                L.StepLR(o, 4, 0.8),
+            ],
+            [20, 60, 100, 150, 200, 240, 280],
+        ),
+        lambda lr: S.sequential_lr(
+            [
+                S.exponential_lr(lr, 0.99),
+                S.linear_lr(lr, 0.2, 0.8, 15),
+                S.constant_lr(lr, 0.4, 10),
+                S.multi_step_lr(lr, [3, 20], 0.5),
+                S.polynomial_lr(lr, 30, 2.0),
+                S.multiplicative_lr(lr, lambda e: 0.98),
+                S.lambda_lr(lr, lambda e: 1.0 / (1.0 + 0.1 * e)),
+                S.step_lr(lr, 4, 0.8),
+            ],
+            [20, 60, 100, 150, 200, 240, 280],
+        ),
+    ),
     "ChainedScheduler": (
         lambda o: L.ChainedScheduler(
             [L.ConstantLR(o, 0.1, 20), L.ExponentialLR(o, 0.99), L.CosineAnnealingLR(o, 40)]
