@@ -135,10 +135,11 @@ def test_with_grad_accumulate_scale_moves_once_per_window():
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
     micro = [[1.0, 2.0], [3.0, 4.0], [np.inf, 0.0], [1.0, 1.0], [0.5, 0.5], [0.5, 0.5]]
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
     scales = []
     for g in micro:
         scale = float(state.inner_state.scaler.scale)
-        params, state = fo.step(tx, params, {"w": jnp.asarray(g) * scale}, state)
+        params, state = step(params, {"w": jnp.asarray(g) * scale}, state)
         scales.append(float(state.inner_state.scaler.scale))
     # window 1 steps and grows (16 -> 32); window 2 holds an inf: skipped, backs off (32 -> 16);
     # window 3 steps on (0.5 + 0.5) * 2 unscaled and grows again

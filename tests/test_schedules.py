@@ -351,6 +351,10 @@ def test_reduce_lr_on_plateau_updates_the_optimizer_state_and_training_matches_t
     assert step._cache_size() == 1 and pstep._cache_size() == 1
     with pytest.raises(ValueError, match="no lr in the optimizer state is driven"):
         plateau.step(fo.sgd(lr=0.1).init(params), 1.0)
+    # found inside chains (and in every param-group optimizer of a multi_transform)
+    chained = (fo.clip_grad_value_transform(1.0).init(params), state)
+    chained = plateau.step(plateau.step(chained, 100.0), 100.0)
+    assert float(fo.get_hparams(chained)["lr"]) == 0.5 * opt.param_groups[0]["lr"]
 
 
 # ----------------------------------------------------------------------------- in an optimizer
@@ -414,9 +418,10 @@ def test_schedule_advances_per_optimizer_step_not_per_micro_step():
     tx = fo.grad_accumulate(fo.sgd(lr=sched), every=3)
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
     seen = []
     for _ in range(9):
-        params, state = fo.step(tx, params, {"w": jnp.ones(2)}, state)
+        params, state = step(params, {"w": jnp.ones(2)}, state)
         seen.append(float(fo.get_hparams(state)["lr"]))
     assert seen == [1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125]
     # steps used lr 1, 0.5, 0.25 on a mean gradient of 1
