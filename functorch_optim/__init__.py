@@ -3,14 +3,35 @@
 ``__all__`` is the public API; everything in underscored modules is private.
 """
 
+from functorch_optim import schedules
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
 from functorch_optim._adamw import adamw
+from functorch_optim._averaging import (
+    AveragedModel,
+    AveragedModelState,
+    averaged_model,
+    get_ema_avg_fn,
+    get_ema_multi_avg_fn,
+    get_swa_avg_fn,
+    get_swa_multi_avg_fn,
+)
 from functorch_optim._base import TorchState, apply_updates, step
+from functorch_optim._clip import (
+    ClipGradNormState,
+    clip_grad_norm,
+    clip_grad_norm_transform,
+    clip_grad_value,
+    clip_grad_value_transform,
+    clip_grads_with_norm,
+    get_total_norm,
+)
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
 from functorch_optim._nadam import nadam
+from functorch_optim._nonfinite import SkipNonfiniteState, all_finite, skip_nonfinite
 from functorch_optim._radam import radam
+from functorch_optim._scaler import GradScaler, GradScalerState, LossScaleState, TorchAssertionError
 from functorch_optim._sgd import sgd
 from functorch_optim._sharding import data_parallel_grad, state_shardings
 
@@ -20,21 +41,43 @@ from functorch_optim import optim  # isort: skip
 __version__ = "0.1.0"
 
 __all__ = [
+    "AveragedModel",
+    "AveragedModelState",
+    "ClipGradNormState",
     "GradAccumulateState",
+    "GradScaler",
+    "GradScalerState",
     "HParams",
+    "LossScaleState",
+    "SkipNonfiniteState",
+    "TorchAssertionError",
     "TorchState",
     "adam",
     "adamax",
     "adamw",
+    "all_finite",
     "apply_updates",
+    "averaged_model",
+    "clip_grad_norm",
+    "clip_grad_norm_transform",
+    "clip_grad_value",
+    "clip_grad_value_transform",
+    "clip_grads_with_norm",
     "data_parallel_grad",
+    "get_ema_avg_fn",
+    "get_ema_multi_avg_fn",
     "get_hparams",
+    "get_swa_avg_fn",
+    "get_swa_multi_avg_fn",
+    "get_total_norm",
     "grad_accumulate",
     "nadam",
     "optim",
     "radam",
+    "schedules",
     "set_hparams",
     "sgd",
+    "skip_nonfinite",
     "state_shardings",
     "step",
 ]

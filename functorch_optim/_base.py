@@ -103,15 +103,25 @@ def make_optimizer(
 
     A hyperparameter given as a callable is a schedule: ``value = fn(count)``, where
     ``count`` is the number of optimizer steps taken; it is stored in the state and
-    advances once per step.
+    advances once per step. A stateful schedule (an object with ``init_schedule()`` and
+    ``step_schedule(value, state, count)``, e.g. from ``functorch_optim.schedules``)
+    keeps its own state in ``HParams.schedule_state`` and steps from the current value
+    (torch's chainable form). A tuple hyperparameter (``betas``) may hold schedules
+    among its entries; each entry is driven on its own.
 
     Raises:
       ValueError: torch's message for an invalid hyperparameter, raised here, at
         construction, before any state exists.
     """
-    schedules = {k: v for k, v in hparams.items() if callable(v)}
-    first = {k: (v(0) if k in schedules else v) for k, v in hparams.items()}
+    schedules = {k: _driver(v) for k, v in hparams.items() if _is_scheduled(v)}
+    first, schedule_state = dict(hparams), {}
+    for k, driver in schedules.items():
+        first[k], schedule_state[k] = driver.init_schedule()
     algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
+    for k, driver in schedules.items():
+        check = getattr(driver, "check_hparams", None)
+        if check is not None:
+            check(k, hparams)
     static = dict(static)
 
     def init(params: PyTree) -> TorchState:
@@ -122,9 +132,15 @@ def make_optimizer(
         buffers = {"step": step}
         for name in names:
             buffers[name] = jax.tree.map(lambda _, b, n=name: b[n], params, leaf_buffers)
+        # fresh buffers per init: a donated state must not alias another state, itself, or
+        # the construction-time values every init starts from
         values = {k: as_hparam(v) for k, v in first.items()}
+        values = jax.tree.map(lambda x: jnp.array(x, copy=True), values)
+        sched_state = jax.tree.map(lambda x: jnp.array(x, copy=True), schedule_state)
         return TorchState(
-            HParams(values, algorithm.name, algorithm.validate, static, tuple(sorted(schedules))),
+            HParams(
+                values, algorithm.name, algorithm.validate, static, tuple(sorted(schedules)), sched_state
+            ),
             jnp.zeros((), jnp.int32),
             buffers,
         )
@@ -158,9 +174,11 @@ def make_optimizer(
         count = state.count + 1
         hparams = state.hparams
         if schedules:
-            hparams = hparams.replace(
-                **{k: as_hparam(fn(count), jnp.result_type(hp[k])) for k, fn in schedules.items()}
-            )
+            values, sched_state = {}, dict(hparams.schedule_state)
+            for k, driver in schedules.items():
+                value, sched_state[k] = driver.step_schedule(hp[k], sched_state[k], count)
+                values[k] = as_hparam(value, _hparam_dtype(hp[k]))
+            hparams = hparams.replace(**values).with_schedule_state(sched_state)
         buffers = {n: treedef.unflatten(new_b[j]) for j, n in enumerate(names)}
         return treedef.unflatten(new_p), TorchState(hparams, count, buffers)
 
@@ -177,6 +195,64 @@ def make_optimizer(
     setattr(update, ALGORITHM_ATTR, algorithm)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
+
+
+def _is_scheduled(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return any(_is_scheduled(v) for v in value)
+    return callable(value) or hasattr(value, "init_schedule")
+
+
+def _hparam_dtype(value: Any) -> Any:
+    return jnp.result_type(value[0] if isinstance(value, tuple) else value)
+
+
+class _CountSchedule:
+    """A plain ``count -> value`` function as a (stateless) schedule driver."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def init_schedule(self) -> tuple[Any, tuple]:
+        return self.fn(0), ()
+
+    def step_schedule(self, value: Any, state: tuple, count: jax.Array) -> tuple[Any, tuple]:
+        del value
+        return self.fn(count), state
+
+
+class _TupleSchedule:
+    """A tuple hyperparameter (``betas``) whose entries are constants or schedules."""
+
+    def __init__(self, entries: tuple) -> None:
+        self.entries = tuple(_driver(e) if _is_scheduled(e) else None for e in entries)
+        self.constants = tuple(entries)
+
+    def init_schedule(self) -> tuple[tuple, tuple]:
+        entries = zip(self.entries, self.constants, strict=True)
+        pairs = [d.init_schedule() if d is not None else (c, ()) for d, c in entries]
+        return tuple(v for v, _ in pairs), tuple(s for _, s in pairs)
+
+    def step_schedule(self, value: tuple, state: tuple, count: jax.Array) -> tuple[tuple, tuple]:
+        pairs = [
+            d.step_schedule(v, s, count) if d is not None else (v, s)
+            for d, v, s in zip(self.entries, value, state, strict=True)
+        ]
+        return tuple(v for v, _ in pairs), tuple(s for _, s in pairs)
+
+    def check_hparams(self, name: str, hparams: Mapping[str, Any]) -> None:
+        for d in self.entries:
+            check = getattr(d, "check_hparams", None)
+            if check is not None:
+                check(name, hparams)
+
+
+def _driver(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return _TupleSchedule(tuple(value))
+    if hasattr(value, "init_schedule"):
+        return value
+    return _CountSchedule(value)
 
 
 def _buffer_names(leaf_buffers: PyTree, params: PyTree) -> list[str]:

@@ -60,6 +60,10 @@ class HParams(Mapping):
       kind: the optimizer's name (torch's class name, e.g. ``"SGD"``).
       static: structural flags fixed at construction (e.g. ``nesterov``), as a dict.
       scheduled: names of hyperparameters that a schedule drives.
+      schedule_state: per scheduled name, the state a stateful schedule carries
+        (``functorch_optim.schedules``; an empty tuple for a plain ``count -> value``
+        function). A pytree child, so it is jitted, donated and checkpointed with the
+        values; ``get_hparams`` does not show it.
     """
 
     def __init__(
@@ -69,12 +73,14 @@ class HParams(Mapping):
         validator: Validator | None = None,
         static: Mapping[str, Any] | tuple = (),
         scheduled: tuple[str, ...] = (),
+        schedule_state: Mapping[str, Any] | None = None,
     ) -> None:
         self._values = dict(values)
         self.kind = kind
         self.validator = validator
         self._static = tuple(sorted(dict(static).items()))
         self.scheduled = tuple(scheduled)
+        self.schedule_state = dict(schedule_state or {})
 
     @property
     def static(self) -> dict[str, Any]:
@@ -94,7 +100,18 @@ class HParams(Mapping):
 
     def replace(self, **values: Any) -> HParams:
         """A copy with some values replaced (no validation; see ``set_hparams``)."""
-        return HParams({**self._values, **values}, self.kind, self.validator, self._static, self.scheduled)
+        return HParams(
+            {**self._values, **values},
+            self.kind,
+            self.validator,
+            self._static,
+            self.scheduled,
+            self.schedule_state,
+        )
+
+    def with_schedule_state(self, schedule_state: Mapping[str, Any]) -> HParams:
+        """A copy whose schedule state is ``schedule_state`` (values unchanged)."""
+        return HParams(self._values, self.kind, self.validator, self._static, self.scheduled, schedule_state)
 
     def validate(self, values: Mapping[str, Any]) -> None:
         """Run torch's checks on ``values`` merged over the current values.
@@ -112,18 +129,24 @@ class HParams(Mapping):
     def tree_flatten_with_keys(self):
         keys = tuple(sorted(self._values))
         children = [(jax.tree_util.DictKey(k), self._values[k]) for k in keys]
+        children.append((jax.tree_util.GetAttrKey("schedule_state"), self.schedule_state))
         return children, (keys, self.kind, self.validator, self._static, self.scheduled)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         keys, kind, validator, static, scheduled = aux
         obj = object.__new__(cls)
-        obj._values = dict(zip(keys, children))
+        children = list(children)
+        obj._values = dict(zip(keys, children[: len(keys)], strict=True))
         obj.kind, obj.validator, obj._static, obj.scheduled = kind, validator, static, scheduled
+        obj.schedule_state = children[len(keys)]
         return obj
 
     def __reduce__(self):
-        return (HParams, (self._values, self.kind, self.validator, self._static, self.scheduled))
+        return (
+            HParams,
+            (self._values, self.kind, self.validator, self._static, self.scheduled, self.schedule_state),
+        )
 
 
 def _is_hparams_node(x: Any) -> bool:

@@ -68,7 +68,7 @@ def test_dtype_and_weak_type_preserved():
     [
         (
             {"learning_rate": 0.1},
-            "unknown hyperparameter(s) 'learning_rate'; known: lr, momentum, dampening, weight_decay",
+            "unknown hyperparameter(s) 'learning_rate'; known: dampening, lr, momentum, weight_decay",
         ),
         ({"lr": -2}, "Invalid learning rate: -2"),
     ],

@@ -29,6 +29,8 @@ from functorch_optim.optim._optimizer import (
     state_dict_to_torch,
 )
 
+from functorch_optim.optim import lr_scheduler  # isort: skip
+
 # One line per functional factory: torch's class name and signature come from it.
 SGD = make_optimizer_class(sgd)
 Adam = make_optimizer_class(adam)
@@ -49,6 +51,7 @@ __all__ = [
     "Optimizer",
     "RAdam",
     "group_by",
+    "lr_scheduler",
     "make_optimizer_class",
     "path_name",
     "state_dict_to_torch",

@@ -1,0 +1,239 @@
+"""Dynamic loss scaling with ``torch.amp.GradScaler``'s semantics, state in the pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._base import STEP_ATTR
+from functorch_optim._base import step as _step
+from functorch_optim._tree import PyTree, is_none
+
+
+class TorchAssertionError(ValueError, AssertionError):
+    """A bad argument torch rejects with ``AssertionError``; also a ``ValueError``."""
+
+
+class GradScalerState(NamedTuple):
+    """State of a ``GradScaler``, torch's names.
+
+    Attributes:
+      scale: the current scale, float32 (torch's ``_scale``).
+      growth_tracker: consecutive steps without inf/NaN, int32 (``_growth_tracker``).
+      found_inf: whether the last unscale found inf/NaN, float32 0/1 (torch's per-step
+        ``found_inf``).
+    """
+
+    scale: jax.Array
+    growth_tracker: jax.Array
+    found_inf: jax.Array
+
+
+def _f64() -> Any:
+    return jnp.result_type(float)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradScaler:
+    """``torch.amp.GradScaler`` as pure functions over a ``GradScalerState``.
+
+    The torch loop ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``
+    becomes::
+
+        scaler = fo.GradScaler()
+        tx = scaler.wrap(fo.sgd(lr=0.1))          # unscale, skip on inf, update
+        state = tx.init(params)
+        loss, grads = jax.value_and_grad(lambda p: scaler.scale(state.scaler, loss_fn(p)))(params)
+        params, state = fo.step(tx, params, grads, state)
+
+    or by hand with ``unscale`` / ``update``.
+
+    Attributes:
+      init_scale: initial scale, default ``2.0**16``.
+      growth_factor: factor applied after ``growth_interval`` finite steps, > 1, default 2.
+      backoff_factor: factor applied on a step with inf/NaN, < 1, default 0.5.
+      growth_interval: consecutive finite steps before growing, default 2000.
+      enabled: if False, scale is 1 and nothing is skipped.
+
+    Raises:
+      TorchAssertionError: torch's ``The growth factor must be > 1.0.`` / ``The backoff
+        factor must be < 1.0.`` (an ``AssertionError`` as in torch, and a ``ValueError``).
+
+    Note:
+      optax has no loss scaler; this one keeps torch's float32 scale, its float32
+      ``1 / scale`` (from a double reciprocal) and its growth/backoff rule, so scaled
+      float16/bfloat16 training skips the same steps as torch.
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018. Mirrors
+      ``torch.amp.GradScaler`` (``_amp_foreach_non_finite_check_and_unscale_``,
+      ``_amp_update_scale_``).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            if self.growth_factor <= 1.0:
+                raise TorchAssertionError("The growth factor must be > 1.0.")
+            if self.backoff_factor >= 1.0:
+                raise TorchAssertionError("The backoff factor must be < 1.0.")
+
+    def init(self) -> GradScalerState:
+        """The initial state: ``init_scale`` (float32), tracker 0."""
+        scale = self.init_scale if self.enabled else 1.0
+        return GradScalerState(
+            jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+        )
+
+    def scale(self, state: GradScalerState, outputs: PyTree) -> PyTree:
+        """``outputs * scale`` leafwise (torch's ``scaler.scale``); identity when disabled."""
+        if not self.enabled:
+            return outputs
+        return jax.tree.map(lambda x: x * state.scale, outputs)
+
+    def unscale(self, state: GradScalerState, grads: PyTree) -> tuple[PyTree, GradScalerState]:
+        """Divide gradients by the scale and look for inf/NaN (torch's ``unscale_``).
+
+        ``inv_scale`` is ``float32(1 / float64(scale))`` and each gradient is multiplied
+        by it in its own precision, as torch's ``_amp_foreach_non_finite_check_and_unscale_``.
+
+        Returns:
+          ``(unscaled_grads, state)`` with ``state.found_inf`` set (1.0 if any entry is
+          not finite).
+
+        Raises:
+          ValueError: ``Attempting to unscale FP16 gradients.`` (torch's text) for a
+            float16 gradient.
+        """
+        if not self.enabled:
+            return grads, state
+        leaves = [g for g in jax.tree.leaves(grads, is_leaf=is_none) if g is not None]
+        if any(jnp.asarray(g).dtype == jnp.float16 for g in leaves):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        inv = (1.0 / state.scale.astype(_f64())).astype(jnp.float32)
+        found = jnp.zeros((), bool)
+        for g in leaves:
+            found = found | ~jnp.all(jnp.isfinite(g))
+
+        def unscale(g):
+            if g is None:
+                return None
+            ct = jnp.promote_types(g.dtype, jnp.float32)
+            return (g.astype(ct) * inv.astype(ct)).astype(g.dtype)
+
+        out = jax.tree.map(unscale, grads, is_leaf=is_none)
+        return out, state._replace(found_inf=found.astype(jnp.float32))
+
+    def update(self, state: GradScalerState, new_scale: Any = None) -> GradScalerState:
+        """Back off on inf/NaN, grow after ``growth_interval`` clean steps (torch's ``update``).
+
+        torch's ``_amp_update_scale_``: with ``found_inf`` the scale is multiplied by
+        ``backoff_factor`` and the tracker reset; otherwise the tracker grows and, on
+        reaching ``growth_interval``, the scale is multiplied by ``growth_factor`` (kept
+        only if finite) and the tracker reset. Products are taken in double and stored
+        in float32. ``new_scale`` sets the scale directly.
+        """
+        if not self.enabled:
+            return state
+        if new_scale is not None:
+            return state._replace(scale=jnp.asarray(new_scale, jnp.float32))
+        scale64 = state.scale.astype(_f64())
+        backed = (scale64 * self.backoff_factor).astype(jnp.float32)
+        successful = state.growth_tracker + 1
+        grown = (scale64 * self.growth_factor).astype(jnp.float32)
+        at_interval = successful == self.growth_interval
+        clean_scale = jnp.where(at_interval & jnp.isfinite(grown), grown, state.scale)
+        clean_tracker = jnp.where(at_interval, 0, successful)
+        found = state.found_inf != 0
+        return GradScalerState(
+            jnp.where(found, backed, clean_scale),
+            jnp.where(found, 0, clean_tracker).astype(jnp.int32),
+            state.found_inf,
+        )
+
+    def wrap(self, tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+        """``tx`` fed with *scaled* gradients: unscale, step unless inf/NaN, update the scale.
+
+        One call is torch's ``scaler.step(optimizer); scaler.update()``. On a step with
+        inf/NaN the parameters and the inner state (buffers, counters, schedule) do not
+        move. With accumulation use ``grad_accumulate(scaler.wrap(tx), k)``: the scaled
+        gradients of a window are summed, then unscaled, checked and stepped once, and the
+        scale moves once per window (torch's ``backward()`` k times, then ``step`` and
+        ``update``).
+
+        Returns:
+          An optax ``GradientTransformationExtraArgs`` with a ``LossScaleState``.
+
+        Examples:
+          >>> import jax.numpy as jnp, functorch_optim as fo
+          >>> scaler = fo.GradScaler(init_scale=4.0, growth_interval=1)
+          >>> tx = scaler.wrap(fo.sgd(lr=1.0))
+          >>> params = {"w": jnp.array([1.0])}
+          >>> state = tx.init(params)
+          >>> params, state = fo.step(tx, params, {"w": jnp.array([jnp.inf])}, state)
+          >>> params["w"].tolist(), float(state.scaler.scale)
+          ([1.0], 2.0)
+          >>> params, state = fo.step(tx, params, {"w": jnp.array([2.0])}, state)  # scaled by 2
+          >>> params["w"].tolist(), float(state.scaler.scale)
+          ([0.0], 4.0)
+        """
+        inner_step = getattr(tx.update, STEP_ATTR, None)
+        extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+        def init(params):
+            return LossScaleState(self.init(), tx.init(params))
+
+        def update(grads, state, params=None, **extra_args):
+            grads, sc = self.unscale(state.scaler, grads)
+            ok = sc.found_inf == 0
+
+            def do(inner):
+                if extra_ok:
+                    u, inner = tx.update(grads, inner, params, **extra_args)
+                else:
+                    u, inner = tx.update(grads, inner, params)
+                return jax.tree.map(lambda g, x: None if g is None else x, grads, u, is_leaf=is_none), inner
+
+            def skip(inner):
+                like = params if params is not None else grads
+                z = jax.tree.map(
+                    lambda g, p: None if g is None else jnp.zeros_like(p), grads, like, is_leaf=is_none
+                )
+                return z, inner
+
+            updates, inner = jax.lax.cond(ok, do, skip, state.inner_state)
+            return updates, LossScaleState(self.update(sc), inner)
+
+        def step_fn(params, grads, state, **extra_args):
+            grads, sc = self.unscale(state.scaler, grads)
+            ok = sc.found_inf == 0
+
+            def do(params, inner):
+                if inner_step is not None:
+                    return inner_step(params, grads, inner, **extra_args)
+                return _step(tx, params, grads, inner, **extra_args)
+
+            def skip(params, inner):
+                return params, inner
+
+            params, inner = jax.lax.cond(ok, do, skip, params, state.inner_state)
+            return params, LossScaleState(self.update(sc), inner)
+
+        setattr(update, STEP_ATTR, step_fn)
+        return optax.GradientTransformationExtraArgs(init, update)
+
+
+class LossScaleState(NamedTuple):
+    """State of ``GradScaler.wrap(tx)``: the scaler's state and the inner state."""
+
+    scaler: GradScalerState
+    inner_state: PyTree

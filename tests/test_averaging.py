@@ -1,0 +1,89 @@
+"""averaged_model against torch.optim.swa_utils.AveragedModel (SWA and EMA), float32 and float64."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from torch.optim import swa_utils
+
+import functorch_optim as fo
+from tests.helpers import TREE_SHAPES, make_tree
+
+KINDS = {
+    "swa-default": (lambda: {}, lambda: {}),
+    "swa-avg_fn": (lambda: dict(avg_fn=swa_utils.get_swa_avg_fn()), lambda: dict(avg_fn=fo.get_swa_avg_fn())),
+    "swa-multi": (
+        lambda: dict(multi_avg_fn=swa_utils.get_swa_multi_avg_fn()),
+        lambda: dict(multi_avg_fn=fo.get_swa_multi_avg_fn()),
+    ),
+    "ema-avg_fn": (
+        lambda: dict(avg_fn=swa_utils.get_ema_avg_fn(0.9)),
+        lambda: dict(avg_fn=fo.get_ema_avg_fn(0.9)),
+    ),
+    "ema-multi": (
+        lambda: dict(multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.7)),
+        lambda: dict(multi_avg_fn=fo.get_ema_multi_avg_fn(0.7)),
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_averaged_model_matches_torch(kind, dtype):
+    rng = np.random.default_rng(0)
+    shapes = TREE_SHAPES["nested"]
+    init = make_tree(shapes, rng, dtype)
+    snapshots = [make_tree(shapes, rng, dtype) for _ in range(12)]
+
+    leaves, treedef = jax.tree.flatten(init)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.tensor(x)) for x in leaves])
+    ref = swa_utils.AveragedModel(model, **KINDS[kind][0]())
+    avg = fo.averaged_model(**KINDS[kind][1]())
+    state = avg.init(jax.tree.map(jnp.asarray, init))
+    update = jax.jit(avg.update)
+    for snap in snapshots:
+        with torch.no_grad():
+            for p, x in zip(model, treedef.flatten_up_to(snap), strict=True):
+                p.copy_(torch.tensor(x))
+        ref.update_parameters(model)
+        state = update(state, jax.tree.map(jnp.asarray, snap))
+        got = treedef.flatten_up_to(state.params)
+        for a, b in zip(got, ref.module.parameters(), strict=True):
+            if kind == "ema-avg_fn":  # d*a + (1-d)*w: XLA may fuse one product into an FMA
+                eps = np.finfo(dtype).eps  # a rounding per step, damped by the decay
+                np.testing.assert_allclose(np.asarray(a), b.detach().numpy(), rtol=8 * eps, atol=8 * eps)
+            else:  # bit for bit
+                np.testing.assert_array_equal(np.asarray(a), b.detach().numpy())
+        assert int(state.n_averaged) == int(ref.n_averaged)
+    assert got[0].dtype == dtype
+    # not a copy of the last snapshot
+    assert not np.array_equal(np.asarray(got[0]), treedef.flatten_up_to(snapshots[-1])[0])
+
+
+def test_first_update_copies_and_init_is_a_copy():
+    avg = fo.averaged_model(multi_avg_fn=fo.get_ema_multi_avg_fn(0.5))
+    state = avg.init({"w": jnp.array([1.0])})
+    assert int(state.n_averaged) == 0
+    state = avg.update(state, {"w": jnp.array([5.0])})
+    assert state.params["w"].tolist() == [5.0]
+    state = avg.update(state, {"w": jnp.array([1.0])})
+    assert state.params["w"].tolist() == [3.0] and int(state.n_averaged) == 2
+
+
+def test_validation_uses_torchs_messages():
+    with pytest.raises(ValueError) as ref:
+        swa_utils.get_ema_multi_avg_fn(1.5)
+    with pytest.raises(ValueError, match=re.escape(str(ref.value))):
+        fo.get_ema_multi_avg_fn(1.5)
+    with pytest.raises(ValueError, match=re.escape(str(ref.value))):
+        fo.get_ema_avg_fn(1.5)
+    with pytest.raises(AssertionError) as ref:
+        swa_utils.AveragedModel(torch.nn.Linear(1, 1), avg_fn=swa_utils.get_swa_avg_fn(),
+                                multi_avg_fn=swa_utils.get_swa_multi_avg_fn())  # fmt: skip
+    with pytest.raises(AssertionError, match=re.escape(str(ref.value))):
+        fo.averaged_model(avg_fn=fo.get_swa_avg_fn(), multi_avg_fn=fo.get_swa_multi_avg_fn())
