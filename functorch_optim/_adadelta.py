@@ -37,6 +37,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     def c(x):
         return jnp.asarray(x).astype(ct)
 
+    def a(x):
+        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
+        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
+        return c(jnp.asarray(x).astype(dtype))
+
     def r(x):
         return x.astype(dtype)
 
@@ -44,20 +49,20 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     if static["maximize"]:
         grad = -grad
     rho, eps, wd = hp["rho"], hp["eps"], hp["weight_decay"]
-    grad = jnp.where(wd != 0, r(c(grad) + c(wd) * c(param)), grad)
+    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)
     square_avg = r(c(buffers["square_avg"]) * c(rho))
     square_avg = r(c(square_avg) + c(1 - rho) * c(grad) * c(grad))
     # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_()
-    std = r(jnp.sqrt(c(r(c(square_avg) + c(eps)))))
-    delta = r(jnp.sqrt(c(r(c(buffers["acc_delta"]) + c(eps)))))
+    std = r(jnp.sqrt(c(r(c(square_avg) + a(eps)))))
+    delta = r(jnp.sqrt(c(r(c(buffers["acc_delta"]) + a(eps)))))
     # delta.div_(std).mul_(grad)
     delta = r(c(r(c(delta) / c(std))) * c(grad))
     # acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho)
     acc_delta = r(c(buffers["acc_delta"]) * c(rho))
     acc_delta = r(c(acc_delta) + c(1 - rho) * c(delta) * c(delta))
     # param.add_(delta, alpha=-lr)
-    new_param = r(c(param) + c(-hp["lr"]) * c(delta))
+    new_param = r(c(param) + a(-hp["lr"]) * c(delta))
     return new_param, {"square_avg": square_avg, "acc_delta": acc_delta}
 
 

@@ -42,12 +42,17 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     def c(x):
         return jnp.asarray(x).astype(ct)
 
+    def a(x):
+        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
+        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
+        return c(jnp.asarray(x).astype(dtype))
+
     grad = grad.astype(dtype)
     if static["maximize"]:
         grad = -grad
     wd = hp["weight_decay"]
     # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
-    grad = jnp.where(wd != 0, (c(grad) + c(wd) * c(param)).astype(dtype), grad)
+    grad = jnp.where(wd != 0, (c(grad) + a(wd) * c(param)).astype(dtype), grad)
     # torch reads ``step`` as a Python float: the decayed rate is a double
     lr = hp["lr"]
     clr = lr / (1 + (step.astype(lr.dtype) - 1) * hp["lr_decay"])
@@ -55,7 +60,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     new_sum = (c(buffers["sum"]) + c(grad) * c(grad)).astype(dtype)
     # std = state_sum.sqrt().add_(eps): eps outside the square root
     std = jnp.sqrt(c(new_sum)).astype(dtype)
-    std = (c(std) + c(hp["eps"])).astype(dtype)
+    std = (c(std) + a(hp["eps"])).astype(dtype)
     # param.addcdiv_(grad, std, value=-clr)
     new_param = (c(param) + c(-clr) * c(grad) / c(std)).astype(dtype)
     return new_param, {"sum": new_sum}

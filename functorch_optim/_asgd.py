@@ -43,6 +43,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     def c(x):
         return jnp.asarray(x).astype(ct)
 
+    def a(x):
+        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
+        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
+        return c(jnp.asarray(x).astype(dtype))
+
     def r(x):
         return x.astype(dtype)
 
@@ -55,10 +60,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     mu = buffers["mu"]
     # torch reads eta as a Python number (``eta.item()``): no gradient flows through it
     eta_value = jax.lax.stop_gradient(eta).astype(hdt)
-    grad = jnp.where(wd != 0, r(c(grad) + c(wd) * c(param)), grad)
+    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # param.mul_(1 - lambd * eta_value); param.add_(grad, alpha=-eta_value)
     new_param = r(c(param) * c(1 - lambd * eta_value))
-    new_param = r(c(new_param) + c(-eta_value) * c(grad))
+    new_param = r(c(new_param) + a(-eta_value) * c(grad))
     # ax.add_(param.sub(ax).mul_(mu)) when mu != 1, else ax.copy_(param)
     ax = buffers["ax"]
     averaged = r(c(ax) + c(r(c(r(c(new_param) - c(ax))) * c(mu))))

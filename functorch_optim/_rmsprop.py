@@ -58,6 +58,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     def c(x):
         return jnp.asarray(x).astype(ct)
 
+    def a(x):
+        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
+        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
+        return c(jnp.asarray(x).astype(dtype))
+
     def r(x):
         return x.astype(dtype)
 
@@ -65,7 +70,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     if static["maximize"]:
         grad = -grad
     lr, alpha, eps, wd = hp["lr"], hp["alpha"], hp["eps"], hp["weight_decay"]
-    grad = jnp.where(wd != 0, r(c(grad) + c(wd) * c(param)), grad)
+    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
     square_avg = r(c(buffers["square_avg"]) * c(alpha))
     square_avg = r(c(square_avg) + c(1 - alpha) * c(grad) * c(grad))
@@ -79,7 +84,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     else:
         avg = r(jnp.sqrt(c(square_avg)))
     # avg.add_(eps): eps outside the square root
-    avg = r(c(avg) + c(eps))
+    avg = r(c(avg) + a(eps))
     # param.addcdiv_(grad, avg, value=-lr)
     plain = r(c(param) + c(-lr) * c(grad) / c(avg))
     if static["has_momentum"]:
@@ -88,7 +93,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # buf.mul_(momentum).addcdiv_(grad, avg); param.add_(buf, alpha=-lr): lr after the buffer
         new_buf = r(c(buf) * c(momentum))
         new_buf = r(c(new_buf) + c(grad) / c(avg))
-        with_momentum = r(c(param) + c(-lr) * c(new_buf))
+        with_momentum = r(c(param) + a(-lr) * c(new_buf))
         # torch takes the plain branch, buffer untouched, while momentum == 0
         use = momentum > 0
         out["momentum_buffer"] = jnp.where(use, new_buf, buf)
