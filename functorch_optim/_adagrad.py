@@ -140,8 +140,9 @@ def adagrad(
       ``optax.adagrad`` differs from torch in three ways: it puts ``eps`` *inside* the
       square root (:math:`g/\sqrt{s + \epsilon}`), its defaults are
       ``initial_accumulator_value=0.1`` and ``eps=1e-7`` (torch: 0 and 1e-10), and it
-      has no ``lr_decay`` (torch's per-parameter :math:`\gamma / (1 + (t-1)\eta)`). With
-      matching values and ``eps=0`` the two agree to rounding.
+      has neither ``lr_decay`` (torch's per-parameter :math:`\gamma / (1 + (t-1)\eta)`)
+      nor ``weight_decay``. With matching values, ``eps=0`` and a nonzero accumulator
+      the two agree to rounding.
 
     References:
       Duchi, Hazan and Singer, "Adaptive Subgradient Methods for Online Learning and
