@@ -5,9 +5,12 @@
 
 from functorch_optim import schedules
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
+from functorch_optim._adadelta import adadelta
+from functorch_optim._adagrad import adagrad
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
 from functorch_optim._adamw import adamw
+from functorch_optim._asgd import asgd
 from functorch_optim._averaging import (
     AveragedModel,
     AveragedModelState,
@@ -31,6 +34,8 @@ from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
 from functorch_optim._nadam import nadam
 from functorch_optim._nonfinite import SkipNonfiniteState, all_finite, skip_nonfinite
 from functorch_optim._radam import radam
+from functorch_optim._rmsprop import rmsprop
+from functorch_optim._rprop import rprop
 from functorch_optim._scaler import GradScaler, GradScalerState, LossScaleState, TorchAssertionError
 from functorch_optim._sgd import sgd
 from functorch_optim._sharding import data_parallel_grad, state_shardings
@@ -52,11 +57,14 @@ __all__ = [
     "SkipNonfiniteState",
     "TorchAssertionError",
     "TorchState",
+    "adadelta",
+    "adagrad",
     "adam",
     "adamax",
     "adamw",
     "all_finite",
     "apply_updates",
+    "asgd",
     "averaged_model",
     "clip_grad_norm",
     "clip_grad_norm_transform",
@@ -74,6 +82,8 @@ __all__ = [
     "nadam",
     "optim",
     "radam",
+    "rmsprop",
+    "rprop",
     "schedules",
     "set_hparams",
     "sgd",

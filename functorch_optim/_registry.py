@@ -11,11 +11,16 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from functorch_optim._adadelta import adadelta
+from functorch_optim._adagrad import adagrad
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
 from functorch_optim._adamw import adamw
+from functorch_optim._asgd import asgd
 from functorch_optim._nadam import nadam
 from functorch_optim._radam import radam
+from functorch_optim._rmsprop import rmsprop
+from functorch_optim._rprop import rprop
 from functorch_optim._sgd import sgd
 
 
@@ -107,6 +112,58 @@ def _radam_grid() -> tuple[dict[str, Any], ...]:
     )
 
 
+# The product axes are numeric (no recompilation between them); every structural flag
+# (maximize, centered, momentum > 0, Adagrad's initial_accumulator_value) gets its own
+# entries, each a new compilation.
+
+
+def _adagrad_grid() -> tuple[dict[str, Any], ...]:
+    grid = product_grid(
+        lr=(0.1, 0.01), lr_decay=(0.0, 0.05), weight_decay=(0.0, 0.1), initial_accumulator_value=(0.0, 0.5)
+    )
+    return (
+        *grid,
+        {"lr": 0.01, "eps": 1e-3},
+        {"lr": 0.05, "eps": 0.0, "initial_accumulator_value": 0.5},
+        {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.1, "maximize": True},
+    )
+
+
+def _adadelta_grid() -> tuple[dict[str, Any], ...]:
+    grid = product_grid(lr=(1.0, 0.3), rho=(0.9, 0.5), eps=(1e-6, 1e-3), weight_decay=(0.0, 0.1))
+    return (*grid, {"rho": 1.0}, {"rho": 0.0, "lr": 0.5}, {"lr": 0.5, "weight_decay": 0.1, "maximize": True})
+
+
+def _rmsprop_grid() -> tuple[dict[str, Any], ...]:
+    grid = product_grid(
+        lr=(0.01, 0.002),
+        alpha=(0.99, 0.8),
+        weight_decay=(0.0, 0.1),
+        momentum=(0.0, 0.9),
+        centered=(False, True),
+    )
+    return (
+        *grid,
+        {"lr": 0.002, "eps": 1e-3, "centered": True, "momentum": 0.5},
+        {"lr": 0.01, "alpha": 0.9, "weight_decay": 0.1, "momentum": 0.9, "centered": True, "maximize": True},
+    )
+
+
+def _rprop_grid() -> tuple[dict[str, Any], ...]:
+    grid = product_grid(lr=(0.01, 0.1), etas=((0.5, 1.2), (0.3, 1.6)), step_sizes=((1e-6, 50), (1e-3, 0.05)))
+    return (*grid, {"lr": 0.05, "etas": (0.4, 1.3), "step_sizes": (1e-4, 1.0), "maximize": True})
+
+
+def _asgd_grid() -> tuple[dict[str, Any], ...]:
+    grid = product_grid(lr=(0.01, 0.1), lambd=(1e-4, 0.1), t0=(1e6, 5.0), weight_decay=(0.0, 0.1))
+    return (
+        *grid,
+        {"lr": 0.1, "alpha": 0.5, "t0": 0.0},
+        {"lr": 0.05, "alpha": 1.0, "lambd": 0.5, "t0": 10.0},
+        {"lr": 0.05, "lambd": 0.1, "t0": 3.0, "weight_decay": 0.1, "maximize": True},
+    )
+
+
 # ``buffers`` lists every state name the algorithm may keep; ``max_exp_avg_sq`` exists only
 # with ``amsgrad=True`` (in torch and here).
 OPTIMIZERS: tuple[OptimizerSpec, ...] = (
@@ -118,6 +175,13 @@ OPTIMIZERS: tuple[OptimizerSpec, ...] = (
     OptimizerSpec("adamax", adamax, "Adamax", ("step", "exp_avg", "exp_inf"), _adamax_grid()),
     OptimizerSpec("nadam", nadam, "NAdam", ("step", "exp_avg", "exp_avg_sq", "mu_product"), _nadam_grid()),
     OptimizerSpec("radam", radam, "RAdam", ("step", "exp_avg", "exp_avg_sq"), _radam_grid()),
+    OptimizerSpec("adagrad", adagrad, "Adagrad", ("step", "sum"), _adagrad_grid()),
+    OptimizerSpec("adadelta", adadelta, "Adadelta", ("step", "square_avg", "acc_delta"), _adadelta_grid()),
+    OptimizerSpec(
+        "rmsprop", rmsprop, "RMSprop", ("step", "square_avg", "momentum_buffer", "grad_avg"), _rmsprop_grid()
+    ),
+    OptimizerSpec("rprop", rprop, "Rprop", ("step", "prev", "step_size"), _rprop_grid()),
+    OptimizerSpec("asgd", asgd, "ASGD", ("step", "eta", "mu", "ax"), _asgd_grid()),
 )
 
 

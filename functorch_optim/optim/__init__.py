@@ -13,11 +13,16 @@ made by ``make_optimizer_class`` (one line each). ``lr_scheduler`` (torch's sche
 driving ``param_groups``) is a submodule.
 """
 
+from functorch_optim._adadelta import adadelta
+from functorch_optim._adagrad import adagrad
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
 from functorch_optim._adamw import adamw
+from functorch_optim._asgd import asgd
 from functorch_optim._nadam import nadam
 from functorch_optim._radam import radam
+from functorch_optim._rmsprop import rmsprop
+from functorch_optim._rprop import rprop
 from functorch_optim._sgd import sgd
 from functorch_optim.optim._optimizer import (
     TORCH_ONLY_FLAGS,
@@ -39,10 +44,18 @@ AdamW = make_optimizer_class(adamw, group_extras={"decoupled_weight_decay": True
 Adamax = make_optimizer_class(adamax)
 NAdam = make_optimizer_class(nadam)
 RAdam = make_optimizer_class(radam)
+Adagrad = make_optimizer_class(adagrad)
+Adadelta = make_optimizer_class(adadelta)
+RMSprop = make_optimizer_class(rmsprop)
+Rprop = make_optimizer_class(rprop)
+ASGD = make_optimizer_class(asgd)
 
 __all__ = [
+    "ASGD",
     "SGD",
     "TORCH_ONLY_FLAGS",
+    "Adadelta",
+    "Adagrad",
     "Adam",
     "AdamW",
     "Adamax",
@@ -50,6 +63,8 @@ __all__ = [
     "NAdam",
     "Optimizer",
     "RAdam",
+    "RMSprop",
+    "Rprop",
     "group_by",
     "lr_scheduler",
     "make_optimizer_class",

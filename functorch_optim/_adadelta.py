@@ -1,0 +1,145 @@
+"""Adadelta with weight decay, as ``torch.optim.Adadelta``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._tensor_lr import squeeze_lr
+from functorch_optim._tree import opmath_dtype
+
+
+def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
+    lr, rho, eps, weight_decay = hp["lr"], hp["rho"], hp["eps"], hp["weight_decay"]
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"Invalid rho value: {rho}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+    return {"square_avg": jnp.zeros_like(param), "acc_delta": jnp.zeros_like(param)}
+
+
+def _step_leaf(param, grad, buffers, step, hp, static):
+    dtype = param.dtype
+    ct = opmath_dtype(dtype)
+
+    def c(x):
+        return jnp.asarray(x).astype(ct)
+
+    def a(x):
+        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
+        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
+        return c(jnp.asarray(x).astype(dtype))
+
+    def r(x):
+        return x.astype(dtype)
+
+    grad = grad.astype(dtype)
+    if static["maximize"]:
+        grad = -grad
+    rho, eps, wd = hp["rho"], hp["eps"], hp["weight_decay"]
+    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+    # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)
+    square_avg = r(c(buffers["square_avg"]) * c(rho))
+    square_avg = r(c(square_avg) + c(1 - rho) * c(grad) * c(grad))
+    # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_()
+    std = r(jnp.sqrt(c(r(c(square_avg) + a(eps)))))
+    delta = r(jnp.sqrt(c(r(c(buffers["acc_delta"]) + a(eps)))))
+    # delta.div_(std).mul_(grad)
+    delta = r(c(r(c(delta) / c(std))) * c(grad))
+    # acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho)
+    acc_delta = r(c(buffers["acc_delta"]) * c(rho))
+    acc_delta = r(c(acc_delta) + c(1 - rho) * c(delta) * c(delta))
+    # param.add_(delta, alpha=-lr)
+    new_param = r(c(param) + a(-hp["lr"]) * c(delta))
+    return new_param, {"square_avg": square_avg, "acc_delta": acc_delta}
+
+
+ADADELTA_ALGORITHM = Algorithm(
+    name="Adadelta", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf
+)
+
+
+def adadelta(
+    lr: Any = 1.0,
+    rho: Any = 0.9,
+    eps: Any = 1e-6,
+    weight_decay: Any = 0,
+    foreach: bool | None = None,
+    *,
+    capturable: bool = False,
+    maximize: bool = False,
+    differentiable: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Adadelta with torch's exact semantics (``torch.optim.Adadelta``).
+
+    For each parameter :math:`\theta` with gradient :math:`g_t` (parameters whose gradient
+    is ``None`` are skipped, state included):
+
+    .. math::
+
+        g_t &\leftarrow -g_t \quad \text{if maximize} \\
+        g_t &\leftarrow g_t + \lambda \theta_{t-1} \quad \text{if } \lambda \ne 0 \\
+        v_t &\leftarrow \rho v_{t-1} + (1 - \rho) g_t^2 \\
+        \Delta x_t &\leftarrow \frac{\sqrt{u_{t-1} + \epsilon}}{\sqrt{v_t + \epsilon}} \, g_t \\
+        u_t &\leftarrow \rho u_{t-1} + (1 - \rho) \Delta x_t^2 \\
+        \theta_t &\leftarrow \theta_{t-1} - \gamma \Delta x_t
+
+    with :math:`\gamma` = ``lr``, :math:`\rho` = ``rho``, :math:`\epsilon` = ``eps``,
+    :math:`\lambda` = ``weight_decay``, :math:`v` = ``square_avg``, :math:`u` =
+    ``acc_delta``, both starting at zero.
+
+    Args:
+      lr: coefficient :math:`\gamma` that scales the delta before it is applied, default
+        1.0; a number, a 0-d (or 1-element) array, or a schedule ``count -> value``.
+      rho: decay :math:`\rho` of both running averages, default 0.9.
+      eps: term :math:`\epsilon` added inside both square roots, default 1e-6.
+      weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+      foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
+      capturable: accepted for torch compatibility; no effect (every step is jittable).
+      maximize: maximize the objective instead of minimizing, default False (static).
+      differentiable: accepted for torch compatibility; every step is differentiable.
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
+      ``buffers["square_avg"]``, ``buffers["acc_delta"]`` (in the parameter's dtype) and
+      ``buffers["step"]`` (int32; torch keeps a float tensor).
+
+    Raises:
+      ValueError: ``Tensor lr must be 1-element``, ``Invalid learning rate: {lr}``,
+        ``Invalid rho value: {rho}``, ``Invalid epsilon value: {eps}``, ``Invalid
+        weight_decay value: {weight_decay}`` (torch's texts).
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.adadelta(rho=0.0, eps=0.0)
+      >>> params = {"w": jnp.array([1.0])}
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([2.0])}, tx.init(params))
+      >>> params["w"].tolist()  # acc_delta starts at 0: with eps = 0 nothing moves
+      [1.0]
+
+    Note:
+      ``optax.adadelta`` (``add_decayed_weights``, ``scale_by_adadelta``,
+      ``scale_by_learning_rate``) computes the same rule with the same defaults for
+      ``rho`` and ``eps``, but its ``learning_rate`` has no default (torch: 1.0); with
+      matching values the two agree to rounding (operation order differs at the last
+      bits: torch divides the two square roots before multiplying by the gradient).
+
+    References:
+      Zeiler, "ADADELTA: An Adaptive Learning Rate Method", arXiv:1212.5701, 2012.
+      Mirrors ``torch.optim.Adadelta`` (``_single_tensor_adadelta``).
+    """
+    del foreach, capturable, differentiable
+    hparams = {"lr": squeeze_lr(lr), "rho": rho, "eps": eps, "weight_decay": weight_decay}
+    return make_optimizer(ADADELTA_ALGORITHM, hparams, {"maximize": bool(maximize)})

@@ -1,0 +1,203 @@
+"""RMSprop with momentum, centering and weight decay, as ``torch.optim.RMSprop``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._hyperparams import to_python
+from functorch_optim._tensor_lr import squeeze_lr
+from functorch_optim._tree import opmath_dtype
+
+
+def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
+    lr, eps, momentum = hp["lr"], hp["eps"], hp["momentum"]
+    weight_decay, alpha = hp["weight_decay"], hp["alpha"]
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not momentum >= 0.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not alpha >= 0.0:
+        raise ValueError(f"Invalid alpha value: {alpha}")
+    if momentum > 0 and not static["has_momentum"]:
+        raise ValueError(
+            f"Invalid momentum value: {momentum} for an RMSprop built with momentum=0, which "
+            "keeps no momentum buffer; build it with momentum > 0 to change momentum later"
+        )
+
+
+def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+    buffers = {"square_avg": jnp.zeros_like(param)}
+    if static["has_momentum"]:
+        buffers["momentum_buffer"] = jnp.zeros_like(param)
+    if static["centered"]:
+        buffers["grad_avg"] = jnp.zeros_like(param)
+    return buffers
+
+
+def _lerp(start, end, weight):
+    """torch's ``lerp`` (``aten/src/ATen/native/Lerp.h``): exact at both ends."""
+    return jnp.where(
+        jnp.abs(weight) < 0.5, start + weight * (end - start), end - (end - start) * (1 - weight)
+    )
+
+
+def _step_leaf(param, grad, buffers, step, hp, static):
+    dtype = param.dtype
+    ct = opmath_dtype(dtype)
+
+    def c(x):
+        return jnp.asarray(x).astype(ct)
+
+    def a(x):
+        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
+        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
+        return c(jnp.asarray(x).astype(dtype))
+
+    def r(x):
+        return x.astype(dtype)
+
+    grad = grad.astype(dtype)
+    if static["maximize"]:
+        grad = -grad
+    lr, alpha, eps, wd = hp["lr"], hp["alpha"], hp["eps"], hp["weight_decay"]
+    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+    # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+    square_avg = r(c(buffers["square_avg"]) * c(alpha))
+    square_avg = r(c(square_avg) + c(1 - alpha) * c(grad) * c(grad))
+    out = {"square_avg": square_avg}
+    if static["centered"]:
+        # grad_avg.lerp_(grad, 1 - alpha)
+        grad_avg = r(_lerp(c(buffers["grad_avg"]), c(grad), c(1 - alpha)))
+        out["grad_avg"] = grad_avg
+        # avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+        avg = r(jnp.sqrt(c(r(c(square_avg) + c(-1.0) * c(grad_avg) * c(grad_avg)))))
+    else:
+        avg = r(jnp.sqrt(c(square_avg)))
+    # avg.add_(eps): eps outside the square root
+    avg = r(c(avg) + a(eps))
+    # param.addcdiv_(grad, avg, value=-lr)
+    plain = r(c(param) + c(-lr) * c(grad) / c(avg))
+    if static["has_momentum"]:
+        momentum = hp["momentum"]
+        buf = buffers["momentum_buffer"]
+        # buf.mul_(momentum).addcdiv_(grad, avg); param.add_(buf, alpha=-lr): lr after the buffer
+        new_buf = r(c(buf) * c(momentum))
+        new_buf = r(c(new_buf) + c(grad) / c(avg))
+        with_momentum = r(c(param) + a(-lr) * c(new_buf))
+        # torch takes the plain branch, buffer untouched, while momentum == 0
+        use = momentum > 0
+        out["momentum_buffer"] = jnp.where(use, new_buf, buf)
+        new_param = jnp.where(use, with_momentum, plain)
+    else:
+        new_param = plain
+    return new_param, out
+
+
+RMSPROP_ALGORITHM = Algorithm(name="RMSprop", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+
+
+def rmsprop(
+    lr: Any = 1e-2,
+    alpha: Any = 0.99,
+    eps: Any = 1e-8,
+    weight_decay: Any = 0,
+    momentum: Any = 0,
+    centered: bool = False,
+    capturable: bool = False,
+    foreach: bool | None = None,
+    maximize: bool = False,
+    differentiable: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""RMSprop with torch's exact semantics (``torch.optim.RMSprop``).
+
+    For each parameter :math:`\theta` with gradient :math:`g_t` (parameters whose gradient
+    is ``None`` are skipped, state included):
+
+    .. math::
+
+        g_t &\leftarrow -g_t \quad \text{if maximize} \\
+        g_t &\leftarrow g_t + \lambda \theta_{t-1} \quad \text{if } \lambda \ne 0 \\
+        v_t &\leftarrow \alpha v_{t-1} + (1 - \alpha) g_t^2 \\
+        \tilde v_t &\leftarrow \begin{cases} v_t - \bar g_t^2,\quad
+            \bar g_t \leftarrow \operatorname{lerp}(\bar g_{t-1}, g_t, 1 - \alpha)
+            & \text{if centered} \\ v_t & \text{otherwise} \end{cases} \\
+        b_t &\leftarrow \mu b_{t-1} + g_t / (\sqrt{\tilde v_t} + \epsilon), \qquad
+            \theta_t \leftarrow \theta_{t-1} - \gamma b_t \quad \text{if } \mu > 0 \\
+        \theta_t &\leftarrow \theta_{t-1} - \gamma g_t / (\sqrt{\tilde v_t} + \epsilon)
+            \quad \text{otherwise}
+
+    with :math:`\gamma` = ``lr``, :math:`\alpha` = ``alpha``, :math:`\epsilon` = ``eps``,
+    :math:`\lambda` = ``weight_decay``, :math:`\mu` = ``momentum``, :math:`v` =
+    ``square_avg``, :math:`\bar g` = ``grad_avg``, :math:`b` = ``momentum_buffer``, all
+    starting at zero.
+
+    Args:
+      lr: learning rate :math:`\gamma`, default 1e-2; a number, a 0-d (or 1-element)
+        array, or a schedule ``count -> value``.
+      alpha: smoothing constant :math:`\alpha`, default 0.99.
+      eps: term :math:`\epsilon` added to the square root (outside it), default 1e-8.
+      weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+      momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
+        at all; a momentum set later through ``set_hparams`` must then stay 0.
+      centered: normalize by an estimate of the gradient's variance, default False
+        (static; adds the ``grad_avg`` buffer).
+      capturable: accepted for torch compatibility; no effect (every step is jittable).
+      foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
+      maximize: maximize the objective instead of minimizing, default False (static).
+      differentiable: accepted for torch compatibility; every step is differentiable.
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
+      ``buffers["square_avg"]``, ``buffers["momentum_buffer"]`` (when momentum > 0),
+      ``buffers["grad_avg"]`` (when centered), all in the parameter's dtype, and
+      ``buffers["step"]`` (int32; torch keeps a float tensor).
+
+    Raises:
+      ValueError: ``Tensor lr must be 1-element``, ``Invalid learning rate: {lr}``,
+        ``Invalid epsilon value: {eps}``, ``Invalid momentum value: {momentum}``,
+        ``Invalid weight_decay value: {weight_decay}``, ``Invalid alpha value:
+        {alpha}`` (torch's texts, in torch's order).
+
+    Examples:
+      >>> import jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.rmsprop(lr=0.1, alpha=0.75, eps=0.0)
+      >>> params = {"w": jnp.array([1.0])}
+      >>> params, state = fo.step(tx, params, {"w": jnp.array([2.0])}, tx.init(params))
+      >>> state.square_avg["w"].tolist(), params["w"].tolist()  # 0.25 * 4; 1 - 0.1 * 2 / 1
+      ([1.0], [0.8])
+
+    Note:
+      ``optax.rmsprop`` defaults to ``decay=0.9`` (torch's ``alpha=0.99``) and puts
+      ``eps`` inside the square root (``eps_in_sqrt=True``; torch adds it outside, as
+      ``eps_in_sqrt=False`` does). With momentum optax scales by the learning rate
+      *before* its trace (:math:`b_t = \mu b_{t-1} + \gamma g_t/\ldots`), torch
+      *after* the buffer (:math:`\theta -= \gamma b_t`): the two agree while ``lr`` is
+      constant and differ as soon as a schedule changes it. optax's centered variant
+      subtracts the squared mean the same way.
+
+    References:
+      Hinton, "Neural Networks for Machine Learning", lecture 6e; Graves, "Generating
+      Sequences With Recurrent Neural Networks", arXiv:1308.0850, 2013 (centered).
+      Mirrors ``torch.optim.RMSprop`` (``_single_tensor_rmsprop``).
+    """
+    del capturable, foreach, differentiable
+    hparams = {
+        "lr": squeeze_lr(lr),
+        "alpha": alpha,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "momentum": momentum,
+    }
+    has_momentum = callable(momentum) or to_python(momentum) > 0
+    static = {"centered": bool(centered), "maximize": bool(maximize), "has_momentum": has_momentum}
+    return make_optimizer(RMSPROP_ALGORITHM, hparams, static)
