@@ -11,7 +11,11 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from functorch_optim._adafactor import adafactor
+from functorch_optim._lbfgs import lbfgs
+from functorch_optim._muon import muon
 from functorch_optim._sgd import sgd
+from functorch_optim._sparse_adam import sparse_adam
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,12 @@ class OptimizerSpec:
       buffers: torch's per-parameter state names to compare after a run.
       grid: keyword configurations to test, each valid for both libraries.
       differentiable: whether torch supports ``differentiable=True`` for it.
+      closure: whether the optimizer is closure-driven (LBFGS): its step needs the loss
+        function (``value_fn``), and its state is global rather than per parameter.
+      shapes: the parameter shapes (a pytree of shape tuples) it accepts, for an
+        optimizer that cannot take any tree (Muon: 2-D only); None for any.
+      sparse_grad: whether torch's counterpart wants sparse gradients (SparseAdam):
+        feed torch ``grad.to_sparse()``.
     """
 
     name: str
@@ -33,6 +43,9 @@ class OptimizerSpec:
     buffers: tuple[str, ...]
     grid: tuple[Mapping[str, Any], ...]
     differentiable: bool = True
+    closure: bool = False
+    shapes: Any = None
+    sparse_grad: bool = False
 
 
 def product_grid(**axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
@@ -54,8 +67,96 @@ def _sgd_grid() -> tuple[dict[str, Any], ...]:
     return tuple(c for c in grid if not c["nesterov"] or (c["momentum"] > 0 and c["dampening"] == 0))
 
 
+def covering_grid(
+    primary: Mapping[str, Sequence[Any]], secondary: Mapping[str, Sequence[Any]]
+) -> tuple[dict[str, Any], ...]:
+    """Every combination of the ``primary`` axes; each ``secondary`` axis cycles along them.
+
+    Keeps a grid small (and its torch runs fast) while every value of every axis occurs:
+    secondary axis ``j`` takes value ``popcount(i & (j + 3)) % len(values)`` in
+    configuration ``i`` (a fractional-factorial pattern, so two secondary axes are not
+    simply locked together).
+    """
+    grid = product_grid(**primary)
+    return tuple(
+        {
+            **cfg,
+            **{
+                k: values[bin(i & (j + 3)).count("1") % len(values)]
+                for j, (k, values) in enumerate(secondary.items())
+            },
+        }
+        for i, cfg in enumerate(grid)
+    )
+
+
+def _adafactor_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"maximize": (False, True), "weight_decay": (0.0, 0.05), "eps": ((None, 1e-3), (1e-4, 1e-2))},
+        {"lr": (0.01, 0.1), "beta2_decay": (-0.8, -0.5), "d": (1.0, 1.5)},
+    )
+
+
+def _muon_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"nesterov": (True, False), "adjust_lr_fn": (None, "match_rms_adamw"), "momentum": (0.95, 0.0)},
+        {"lr": (0.02, 0.005), "weight_decay": (0.1, 0.0)},
+    )
+
+
+def _sparse_adam_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"maximize": (False, True), "betas": ((0.9, 0.999), (0.5, 0.9)), "eps": (1e-8, 1e-3)},
+        {"lr": (1e-3, 0.1)},
+    )
+
+
+def _lbfgs_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"line_search_fn": (None, "strong_wolfe"), "max_iter": (1, 5, 20)},
+        {"lr": (1.0, 0.5), "history_size": (3, 10)},
+    )
+
+
+#: Muon takes 2-D parameters only.
+MUON_SHAPES = {"w": (3, 4), "tall": (5, 3), "square": (4, 4)}
+
+LBFGS_BUFFERS = (
+    "d",
+    "t",
+    "old_dirs",
+    "old_stps",
+    "ro",
+    "H_diag",
+    "prev_flat_grad",
+    "prev_loss",
+    "n_iter",
+    "func_evals",
+)
+
 OPTIMIZERS: tuple[OptimizerSpec, ...] = (
     OptimizerSpec("sgd", sgd, "SGD", ("momentum_buffer",), _sgd_grid()),
+    OptimizerSpec(
+        "adafactor",
+        adafactor,
+        "Adafactor",
+        ("row_var", "col_var", "variance"),
+        _adafactor_grid(),
+        differentiable=False,
+    ),
+    OptimizerSpec(
+        "muon", muon, "Muon", ("momentum_buffer",), _muon_grid(), differentiable=False, shapes=MUON_SHAPES
+    ),
+    OptimizerSpec(
+        "sparse_adam",
+        sparse_adam,
+        "SparseAdam",
+        ("exp_avg", "exp_avg_sq"),
+        _sparse_adam_grid(),
+        differentiable=False,
+        sparse_grad=True,
+    ),
+    OptimizerSpec("lbfgs", lbfgs, "LBFGS", LBFGS_BUFFERS, _lbfgs_grid(), differentiable=False, closure=True),
 )
 
 
