@@ -14,8 +14,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import torch
 
 import functorch_optim as fo
+
+# torch's intra-op thread pool spins on a loaded 2-core machine: its small per-step ops
+# ran 5-50x slower (CPU time) with the default thread count than with one thread.
+torch.set_num_threads(1)
 
 #: The one jitted step every configuration runs through (``STEP._cache_size()`` counts
 #: its compilations).
