@@ -20,7 +20,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from functorch_optim._base import STEP_ATTR
-from functorch_optim._hyperparams import HParams, hparam_dtype
+from functorch_optim._hyperparams import HParams, hparam_dtype, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
 
@@ -459,12 +459,10 @@ def lbfgs(
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
-      >>> loss_fn = lambda p: jnp.sum((p["x"] - 3.0) ** 2)
-      >>> tx = fo.lbfgs(line_search_fn="strong_wolfe")
-      >>> params = {"x": jnp.zeros(2)}
-      >>> params, state, loss = fo.lbfgs_step(tx, loss_fn, params, tx.init(params))
-      >>> float(loss), params["x"].round(6).tolist(), int(state.func_evals)
-      (18.0, [3.0, 3.0], 4)
+      >>> tx = fo.lbfgs(history_size=10, line_search_fn="strong_wolfe")
+      >>> state = tx.init({"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)})
+      >>> state.old_dirs.shape, state.d.shape, int(fo.get_hparams(state)["max_eval"])
+      ((10, 9), (9,), 25)
 
     Note:
       ``optax.lbfgs`` is one L-BFGS iteration per update with a zoom line search, no
@@ -489,7 +487,7 @@ def lbfgs(
         max_eval = max_iter * 5 // 4
     static = {"history_size": history_size, "line_search_fn": line_search_fn}
     values = {"lr": lr, "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
-    _validate({k: float(v) for k, v in values.items()}, static)
+    _validate({k: to_python(v) for k, v in values.items()}, static)
     hdt = hparam_dtype()
     hp_values = {k: jnp.asarray(v, hdt) for k, v in values.items()}
     hp_values["max_iter"] = jnp.asarray(max_iter, jnp.int32)
@@ -566,12 +564,13 @@ def lbfgs_step(
 
     Examples:
       >>> import jax, jax.numpy as jnp, functorch_optim as fo
-      >>> tx = fo.lbfgs(max_iter=5)
-      >>> loss_fn = lambda p: jnp.sum(p**2)
+      >>> tx = fo.lbfgs()
+      >>> loss_fn = lambda p: jnp.sum((p["x"] - 3.0) ** 2)
       >>> step = jax.jit(lambda p, s: fo.lbfgs_step(tx, loss_fn, p, s))
-      >>> params, state, loss = step(jnp.ones(3), tx.init(jnp.ones(3)))
-      >>> float(loss), int(state.n_iter)
-      (3.0, 2)
+      >>> params = {"x": jnp.zeros(2)}
+      >>> params, state, loss = step(params, tx.init(params))
+      >>> float(loss), params["x"].tolist(), int(state.func_evals), int(state.n_iter)
+      (18.0, [3.0, 3.0], 3, 2)
     """
     inner = getattr(tx.update, "fo_lbfgs", None)
     if inner is None:
