@@ -82,10 +82,14 @@ def zeropower_via_newtonschulz(
     norm = jnp.sqrt(jnp.sum(x.astype(f32) ** 2)).astype(bf16)
     norm = jnp.maximum(norm.astype(f32), jnp.asarray(eps).astype(f32)).astype(bf16)
     x = (x.astype(f32) / norm.astype(f32)).astype(bf16)
-    for _ in range(ns_steps):
+
+    def iteration(_, x):
         gram = mm(x, x.T).astype(bf16)
         gram_update = (b * gram.astype(f32) + c * mm(gram, gram)).astype(bf16)
-        x = (a * x.astype(f32) + mm(gram_update, x)).astype(bf16)
+        return (a * x.astype(f32) + mm(gram_update, x)).astype(bf16)
+
+    # a loop rather than unrolled: compile time does not grow with ns_steps
+    x = jax.lax.fori_loop(0, ns_steps, iteration, x)
     if transposed:
         x = x.T
     return x
