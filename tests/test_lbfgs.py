@@ -40,6 +40,7 @@ def _problems():
 
 
 PROBLEMS = _problems()
+ROSEN32 = tuple(np.asarray(v, np.float32) for v in PROBLEMS["rosenbrock"][:3])
 
 
 def _split(x):
@@ -99,7 +100,7 @@ def _run_torch(problem, cfg, steps):
 
 
 def _run_fo(problem, cfg, steps):
-    tx, step = _jitted(cfg.get("line_search_fn"), cfg.get("history_size", 100))
+    _, step = _jitted(cfg.get("line_search_fn"), cfg.get("history_size", 100))
     a, b, c, x0 = PROBLEMS[problem]
     value_fn = Partial(_tree_objective, jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
     params = _split(x0)
@@ -182,7 +183,7 @@ def test_first_step_scaled_by_l1_norm():
 def test_optimal_start_returns_at_once():
     # at the minimum of Rosenbrock the gradient is zero: torch evaluates once and returns
     cfg = {"line_search_fn": "strong_wolfe", "history_size": 3}
-    tx, step = _jitted("strong_wolfe", 3)
+    _, step = _jitted("strong_wolfe", 3)
     a, b, c, _ = PROBLEMS["rosenbrock"]
     value_fn = Partial(_tree_objective, jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
     params = _split(np.ones(N))
@@ -197,7 +198,7 @@ def test_step_needs_value_fn():
     params = _split(np.zeros(N))
     with pytest.raises(ValueError, match="lbfgs needs the loss function"):
         fo.step(tx, params, params, tx.init(params))
-    with pytest.raises(TypeError, match="tx must be built by functorch_optim.lbfgs"):
+    with pytest.raises(TypeError, match=r"tx must be built by functorch_optim\.lbfgs"):
         fo.lbfgs_step(fo.sgd(), lambda p: 0.0, params, tx.init(params))
 
 
@@ -241,8 +242,36 @@ def test_validation_matches_torch():
     with pytest.raises(RuntimeError) as mine:
         fo.lbfgs(line_search_fn="backtracking")
     assert str(mine.value) == str(theirs.value) == "only 'strong_wolfe' is supported"
-    with pytest.raises(ValueError, match="history_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"history_size must be an integer >= 1, got 0"):
         fo.lbfgs(history_size=0)
     state = fo.lbfgs().init({"w": jnp.zeros(2)})
-    with pytest.raises(ValueError, match="Invalid learning rate: -2.0"):
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -2\.0"):
         fo.set_hparams(state, lr=-2.0)
+
+
+def test_float32_close_to_torch():
+    # torch mixes float32 0-d tensors into its Python-float scalars, so float32 is close,
+    # not last-bit: same control flow, trajectory within float32 resolution
+    cfg = {"max_iter": 5, "history_size": 10}
+    tx = fo.lbfgs(**cfg)
+    step = jax.jit(lambda p, s: fo.lbfgs_step(tx, lambda q: _tree_objective(*ROSEN32, q), p, s))
+    x0 = PROBLEMS["rosenbrock"][3].astype(np.float32)
+    params = _split(x0)
+    state = tx.init(params)
+    xt = torch.tensor(x0, requires_grad=True)
+    opt = torch.optim.LBFGS([xt], **cfg)
+    t_args = [torch.tensor(v) for v in ROSEN32]
+
+    def closure():
+        opt.zero_grad()
+        loss = _objective(*t_args, xt, xp=torch)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        params, state, _ = step(params, state)
+        opt.step(closure)
+        mine = np.concatenate([params["a"], params["b"]])
+        assert mine.dtype == np.float32
+        assert _close(mine, xt.detach().numpy(), tol=1e-5)
+        assert int(state.func_evals) == opt.state[xt]["func_evals"]
