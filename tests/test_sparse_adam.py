@@ -63,8 +63,13 @@ def _run_torch(cfg, params, grads):
     return final, bufs, steps
 
 
-@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-5)], ids=["float64", "float32"])
-@pytest.mark.parametrize("cfg", GRID, ids=[_cfg_id(c) for c in GRID])
+# float32 on the configurations of one compiled flag combination (maximize=False)
+CASES = [(c, np.float64, 1e-10) for c in GRID] + [(c, np.float32, 1e-5) for c in GRID if not c["maximize"]]
+
+
+@pytest.mark.parametrize(
+    "cfg,dtype,tol", CASES, ids=[f"{_cfg_id(c)}-{np.dtype(d).name}" for c, d, _ in CASES]
+)
 def test_parity_with_torch_sparse_gradients(cfg, dtype, tol):
     params, grads = _problem(dtype)
     t_params, t_bufs, t_steps = _run_torch(cfg, params, grads)
