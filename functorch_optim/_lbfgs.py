@@ -122,7 +122,6 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, toleran
     ``tolerance_change`` here is always its default (LBFGS.step does not pass its own).
     """
     dtype = jnp.result_type(t, f, g)
-    n = g.shape[0]
 
     def point(t, f, g):
         g = g.astype(x.dtype)
@@ -213,7 +212,6 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, toleran
     t_best, f_best, _, g_best = unpack(z["bracket"][z["low"]])
     # every iteration of either loop evaluated once, plus the first evaluation
     evals = z["ls_iter"] + 1
-    del n
     return f_best.astype(f.dtype), g_best.astype(x.dtype), t_best.astype(t.dtype), evals
 
 
