@@ -6,6 +6,7 @@
 from functorch_optim import schedules
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
 from functorch_optim._adadelta import adadelta
+from functorch_optim._adafactor import adafactor
 from functorch_optim._adagrad import adagrad
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
@@ -42,6 +43,9 @@ from functorch_optim._sharding import data_parallel_grad, state_shardings
 
 # the torch.optim-shaped facade, a subpackage (imported last: it builds on the above)
 from functorch_optim import optim  # isort: skip
+from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
+from functorch_optim._muon import muon
+from functorch_optim._sparse_adam import sparse_adam
 
 __version__ = "0.1.0"
 
@@ -53,11 +57,13 @@ __all__ = [
     "GradScaler",
     "GradScalerState",
     "HParams",
+    "LBFGSState",
     "LossScaleState",
     "SkipNonfiniteState",
     "TorchAssertionError",
     "TorchState",
     "adadelta",
+    "adafactor",
     "adagrad",
     "adam",
     "adamax",
@@ -79,6 +85,9 @@ __all__ = [
     "get_swa_multi_avg_fn",
     "get_total_norm",
     "grad_accumulate",
+    "lbfgs",
+    "lbfgs_step",
+    "muon",
     "nadam",
     "optim",
     "radam",
@@ -88,6 +97,7 @@ __all__ = [
     "set_hparams",
     "sgd",
     "skip_nonfinite",
+    "sparse_adam",
     "state_shardings",
     "step",
 ]

@@ -74,7 +74,9 @@ class Algorithm:
     Attributes:
       name: torch's class name (``"SGD"``).
       validate: ``(hparams, static) -> None``; raises torch's ValueError texts.
-      init_leaf: ``(param, static) -> dict`` of initial buffers besides ``step``.
+      init_leaf: ``(param, static) -> dict`` of initial buffers besides ``step``. A
+        buffer that only some parameters have is ``None`` in the others' state (and
+        ``step_leaf`` gets and returns ``None`` for it there).
       step_leaf: ``(param, grad, buffers, step, hparams, static) -> (new_param,
         new_buffers)``, torch's loop body for one parameter. ``step`` is the int32 count
         of gradients this parameter has received including this one (1 on its first
@@ -131,7 +133,7 @@ def make_optimizer(
         names = _buffer_names(leaf_buffers, params)
         buffers = {"step": step}
         for name in names:
-            buffers[name] = jax.tree.map(lambda _, b, n=name: b[n], params, leaf_buffers)
+            buffers[name] = jax.tree.map(lambda _, b, n=name: b.get(n), params, leaf_buffers)
         # fresh buffers per init: a donated state must not alias another state, itself, or
         # the construction-time values every init starts from
         values = {k: as_hparam(v) for k, v in first.items()}
@@ -167,7 +169,7 @@ def make_optimizer(
                 out = {"step": step, **out}
                 if m is not None:
                     out_p = jnp.where(m, out_p, p)
-                    out = {n: jnp.where(m, out[n], old[n]) for n in names}
+                    out = {n: None if old[n] is None else jnp.where(m, out[n], old[n]) for n in names}
             new_p.append(out_p)
             for j, n in enumerate(names):
                 new_b[j].append(out[n])
@@ -256,9 +258,10 @@ def _driver(value: Any) -> Any:
 
 
 def _buffer_names(leaf_buffers: PyTree, params: PyTree) -> list[str]:
+    # The union over leaves: a buffer that only some parameters have (Adafactor's
+    # ``row_var`` for matrices, ``variance`` for vectors) is ``None`` for the others.
     per_leaf = jax.tree.structure(params).flatten_up_to(leaf_buffers)
-    names = sorted(per_leaf[0]) if per_leaf else []
-    return names
+    return sorted({name for bufs in per_leaf for name in bufs})
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

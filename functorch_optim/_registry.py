@@ -12,16 +12,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from functorch_optim._adadelta import adadelta
+from functorch_optim._adafactor import adafactor
 from functorch_optim._adagrad import adagrad
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
 from functorch_optim._adamw import adamw
 from functorch_optim._asgd import asgd
+from functorch_optim._lbfgs import lbfgs
+from functorch_optim._muon import muon
 from functorch_optim._nadam import nadam
 from functorch_optim._radam import radam
 from functorch_optim._rmsprop import rmsprop
 from functorch_optim._rprop import rprop
 from functorch_optim._sgd import sgd
+from functorch_optim._sparse_adam import sparse_adam
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,12 @@ class OptimizerSpec:
       buffers: torch's per-parameter state names to compare after a run.
       grid: keyword configurations to test, each valid for both libraries.
       differentiable: whether torch supports ``differentiable=True`` for it.
+      closure: whether the optimizer is closure-driven (LBFGS): its step needs the loss
+        function (``value_fn``), and its state is global rather than per parameter.
+      shapes: the parameter shapes (a pytree of shape tuples) it accepts, for an
+        optimizer that cannot take any tree (Muon: 2-D only); None for any.
+      sparse_grad: whether torch's counterpart wants sparse gradients (SparseAdam):
+        feed torch ``grad.to_sparse()``.
     """
 
     name: str
@@ -43,6 +53,9 @@ class OptimizerSpec:
     buffers: tuple[str, ...]
     grid: tuple[Mapping[str, Any], ...]
     differentiable: bool = True
+    closure: bool = False
+    shapes: Any = None
+    sparse_grad: bool = False
 
 
 def product_grid(**axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
@@ -164,6 +177,82 @@ def _asgd_grid() -> tuple[dict[str, Any], ...]:
     )
 
 
+def covering_grid(
+    primary: Mapping[str, Sequence[Any]], secondary: Mapping[str, Sequence[Any]]
+) -> tuple[dict[str, Any], ...]:
+    """Every combination of the ``primary`` axes; each ``secondary`` axis cycles along them.
+
+    Keeps a grid small (and its torch runs fast) while every value of every axis occurs:
+    secondary axis ``j`` takes value ``popcount(i & (j + 3)) % len(values)`` in
+    configuration ``i`` (a fractional-factorial pattern, so two secondary axes are not
+    simply locked together).
+    """
+    grid = product_grid(**primary)
+    return tuple(
+        {
+            **cfg,
+            **{
+                k: values[bin(i & (j + 3)).count("1") % len(values)]
+                for j, (k, values) in enumerate(secondary.items())
+            },
+        }
+        for i, cfg in enumerate(grid)
+    )
+
+
+def _adafactor_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"maximize": (False, True), "weight_decay": (0.0, 0.05), "eps": ((None, 1e-3), (1e-4, 1e-2))},
+        {"lr": (0.01, 0.1), "beta2_decay": (-0.8, -0.5), "d": (1.0, 1.5)},
+    )
+
+
+def _muon_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"nesterov": (True, False), "adjust_lr_fn": (None, "match_rms_adamw"), "momentum": (0.95, 0.0)},
+        {"lr": (0.02, 0.005), "weight_decay": (0.1, 0.0)},
+    )
+
+
+def _sparse_adam_grid() -> tuple[dict[str, Any], ...]:
+    return covering_grid(
+        {"maximize": (False, True), "betas": ((0.9, 0.999), (0.5, 0.9)), "eps": (1e-8, 1e-3)},
+        {"lr": (1e-3, 0.1)},
+    )
+
+
+def _lbfgs_grid() -> tuple[dict[str, Any], ...]:
+    # Chosen so that torch's own trajectory is not chaotic: fixed steps (no line search)
+    # with many iterations on Rosenbrock amplify last-bit differences (dot-product order,
+    # FMA) to 1e-9..1e-3 within a few outer steps; see tests/test_lbfgs.py.
+    none, wolfe = None, "strong_wolfe"
+    return (
+        {"line_search_fn": none, "max_iter": 1, "lr": 1.0, "history_size": 10},
+        {"line_search_fn": none, "max_iter": 5, "lr": 0.5, "history_size": 10},
+        {"line_search_fn": none, "max_iter": 10, "lr": 1.0, "history_size": 10, "tolerance_change": 1e-4},
+        {"line_search_fn": wolfe, "max_iter": 1, "lr": 1.0, "history_size": 3, "max_eval": 4},
+        {"line_search_fn": wolfe, "max_iter": 5, "lr": 0.5, "history_size": 10},
+        {"line_search_fn": wolfe, "max_iter": 20, "lr": 1.0, "history_size": 3},
+        {"line_search_fn": wolfe, "max_iter": 20, "lr": 1.0, "history_size": 10, "tolerance_grad": 1e-5},
+    )
+
+
+#: Muon takes 2-D parameters only.
+MUON_SHAPES = {"w": (3, 4), "tall": (5, 3), "square": (4, 4)}
+
+LBFGS_BUFFERS = (
+    "d",
+    "t",
+    "old_dirs",
+    "old_stps",
+    "ro",
+    "H_diag",
+    "prev_flat_grad",
+    "prev_loss",
+    "n_iter",
+    "func_evals",
+)
+
 # ``buffers`` lists every state name the algorithm may keep; ``max_exp_avg_sq`` exists only
 # with ``amsgrad=True`` (in torch and here).
 OPTIMIZERS: tuple[OptimizerSpec, ...] = (
@@ -182,6 +271,27 @@ OPTIMIZERS: tuple[OptimizerSpec, ...] = (
     ),
     OptimizerSpec("rprop", rprop, "Rprop", ("step", "prev", "step_size"), _rprop_grid()),
     OptimizerSpec("asgd", asgd, "ASGD", ("step", "eta", "mu", "ax"), _asgd_grid()),
+    OptimizerSpec(
+        "adafactor",
+        adafactor,
+        "Adafactor",
+        ("row_var", "col_var", "variance"),
+        _adafactor_grid(),
+        differentiable=False,
+    ),
+    OptimizerSpec(
+        "muon", muon, "Muon", ("momentum_buffer",), _muon_grid(), differentiable=False, shapes=MUON_SHAPES
+    ),
+    OptimizerSpec(
+        "sparse_adam",
+        sparse_adam,
+        "SparseAdam",
+        ("exp_avg", "exp_avg_sq"),
+        _sparse_adam_grid(),
+        differentiable=False,
+        sparse_grad=True,
+    ),
+    OptimizerSpec("lbfgs", lbfgs, "LBFGS", LBFGS_BUFFERS, _lbfgs_grid(), differentiable=False, closure=True),
 )
 
 

@@ -864,9 +864,13 @@ def test_registered_optimizer_facade_state_dict_matches_torch(spec, config):
     assert list(inspect.signature(cls).parameters) == list(inspect.signature(torch_cls).parameters)
 
     rng = np.random.default_rng(11)
-    params = [rng.standard_normal((3, 2)), rng.standard_normal(4), rng.standard_normal(())]
+    # an optimizer restricted to some shapes (Muon: 2-D) says which in the registry
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+    shapes = jax.tree.leaves(spec.shapes, is_leaf=is_shape) if spec.shapes else [(3, 2), (4,), ()]
+    params = [rng.standard_normal(s) for s in shapes]
     stream = [
-        [rng.standard_normal((3, 2)), None if t < 2 else rng.standard_normal(4), None] for t in range(8)
+        [rng.standard_normal(shapes[0]), None if t < 2 else rng.standard_normal(shapes[1]), None]
+        for t in range(8)
     ]
     kwargs = torch_class_kwargs(torch_cls, config)
     ts = torch_tensors(params)
@@ -875,6 +879,10 @@ def test_registered_optimizer_facade_state_dict_matches_torch(spec, config):
     for t, grads in enumerate(stream):
         for tt, g in zip(ts, grads, strict=True):
             tt.grad = None if g is None else torch.tensor(g)
+            if g is not None and spec.sparse_grad:
+                tt.grad = tt.grad.to_sparse()
+            if g is not None and spec.sparse_grad:
+                tt.grad = tt.grad.to_sparse()
         t_opt.step()
         opt.grad = grads
         opt.step()

@@ -14,16 +14,19 @@ driving ``param_groups``) is a submodule.
 """
 
 from functorch_optim._adadelta import adadelta
+from functorch_optim._adafactor import adafactor
 from functorch_optim._adagrad import adagrad
 from functorch_optim._adam import adam
 from functorch_optim._adamax import adamax
 from functorch_optim._adamw import adamw
 from functorch_optim._asgd import asgd
+from functorch_optim._muon import muon
 from functorch_optim._nadam import nadam
 from functorch_optim._radam import radam
 from functorch_optim._rmsprop import rmsprop
 from functorch_optim._rprop import rprop
 from functorch_optim._sgd import sgd
+from functorch_optim._sparse_adam import sparse_adam
 from functorch_optim.optim._optimizer import (
     TORCH_ONLY_FLAGS,
     GroupedParams,
@@ -49,22 +52,28 @@ Adadelta = make_optimizer_class(adadelta)
 RMSprop = make_optimizer_class(rmsprop)
 Rprop = make_optimizer_class(rprop)
 ASGD = make_optimizer_class(asgd)
+Adafactor = make_optimizer_class(adafactor)
+Muon = make_optimizer_class(muon)
+SparseAdam = make_optimizer_class(sparse_adam)
 
 __all__ = [
     "ASGD",
     "SGD",
     "TORCH_ONLY_FLAGS",
     "Adadelta",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",
     "Adamax",
     "GroupedParams",
+    "Muon",
     "NAdam",
     "Optimizer",
     "RAdam",
     "RMSprop",
     "Rprop",
+    "SparseAdam",
     "group_by",
     "lr_scheduler",
     "make_optimizer_class",

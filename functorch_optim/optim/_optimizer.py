@@ -668,8 +668,11 @@ class Optimizer:
         for g, group in enumerate(self.param_groups):
             st, algorithm = self._states[g], self._algorithms[g]
             names = [n for n in st.buffers if n != "step"]
-            steps = [int(s) for s in jax.device_get(jax.tree.leaves(st.buffers["step"]))]
-            host = {n: jax.device_get(jax.tree.leaves(st.buffers[n])) for n in names}
+            # flattened up to the params: a buffer only some parameters keep (Adafactor's
+            # row_var / variance) is None for the others
+            pdef = jax.tree.structure(self._params[g])
+            steps = [int(s) for s in jax.device_get(pdef.flatten_up_to(st.buffers["step"]))]
+            host = {n: jax.device_get(pdef.flatten_up_to(st.buffers[n])) for n in names}
             for j, s in enumerate(steps):
                 if s == 0 and not algorithm.torch_state_at_init:
                     continue
@@ -679,7 +682,8 @@ class Optimizer:
                 elif algorithm.torch_step == "int":
                     entry["step"] = s
                 for n in names:
-                    entry[n] = np.array(host[n][j], copy=True)
+                    if host[n][j] is not None:
+                        entry[n] = np.array(host[n][j], copy=True)
                 if entry:
                     state[start + j] = entry
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -748,8 +752,8 @@ class Optimizer:
     def _state_from_entries(self, g: int, fresh: TorchState, entries: Mapping[int, tuple]) -> TorchState:
         algorithm = self._algorithms[g]
         names = [n for n in fresh.buffers if n != "step"]
-        treedefs = {n: jax.tree.structure(b) for n, b in fresh.buffers.items()}
-        bufs = {n: jax.tree.leaves(fresh.buffers[n]) for n in names}
+        pdef = jax.tree.structure(self._params[g])
+        bufs = {n: pdef.flatten_up_to(fresh.buffers[n]) for n in names}
         steps = [0] * self._sizes[g]
         for j, (key, entry) in entries.items():
             loaded = False
@@ -767,6 +771,11 @@ class Optimizer:
                         f"{', '.join(names) or 'nothing'})"
                     )
                 ref = bufs[name][j]
+                if ref is None:
+                    raise ValueError(
+                        f"loaded state dict: parameter {key!r} has state {name!r}, which "
+                        f"{type(self).__name__} does not keep for a parameter of this shape"
+                    )
                 value = np.asarray(value)
                 if value.shape != ref.shape:
                     raise ValueError(
@@ -777,9 +786,9 @@ class Optimizer:
                 loaded = True
             if algorithm.torch_step is None and loaded:
                 steps[j] = max(steps[j], 1)
-        buffers = {"step": treedefs["step"].unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
+        buffers = {"step": pdef.unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
         for n in names:
-            buffers[n] = treedefs[n].unflatten(bufs[n])
+            buffers[n] = pdef.unflatten(bufs[n])
         count = jnp.asarray(max(steps, default=0), jnp.int32)
         return TorchState(fresh.hparams, count, {n: buffers[n] for n in fresh.buffers})
 

@@ -1,0 +1,133 @@
+"""SparseAdam, as ``torch.optim.SparseAdam``, for dense JAX gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._tree import opmath_dtype
+
+
+def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
+    del static
+    lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
+    if not lr > 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps > 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+
+
+def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+    del static
+    return {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
+
+
+def _step_leaf(param, grad, buffers, step, hp, static):
+    dtype = param.dtype
+    ct = opmath_dtype(dtype)
+    hdt = jnp.result_type(hp["lr"])
+    lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
+    g = grad.astype(dtype).astype(ct)
+    if static["maximize"]:
+        g = -g
+    # The entries a sparse COO gradient (``grad.to_sparse()``) would carry.
+    mask = g != 0
+    old_m = buffers["exp_avg"].astype(ct)
+    old_v = buffers["exp_avg_sq"].astype(ct)
+    # torch: (grad_values - old) * (1 - beta), then old + that (on the mask only)
+    upd_m = (g - old_m) * (1 - beta1).astype(ct)
+    upd_v = (g * g - old_v) * (1 - beta2).astype(ct)
+    new_m = old_m + upd_m
+    new_v = old_v + upd_v
+    denom = jnp.sqrt(new_v) + eps.astype(ct)
+    step_f = step.astype(hdt)
+    bias_correction1 = 1 - beta1**step_f
+    bias_correction2 = 1 - beta2**step_f
+    step_size = lr * jnp.sqrt(bias_correction2) / bias_correction1
+    delta = (-step_size).astype(ct) * (new_m / denom)
+    new_param = jnp.where(mask, param.astype(ct) + delta, param.astype(ct))
+    out = {
+        "exp_avg": jnp.where(mask, new_m, old_m).astype(dtype),
+        "exp_avg_sq": jnp.where(mask, new_v, old_v).astype(dtype),
+    }
+    return new_param.astype(dtype), out
+
+
+# torch's SparseAdam keeps ``step`` as a Python int
+SPARSE_ADAM_ALGORITHM = Algorithm(
+    name="SparseAdam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, torch_step="int"
+)
+
+
+def sparse_adam(
+    lr: Any = 1e-3,
+    betas: tuple[Any, Any] = (0.9, 0.999),
+    eps: Any = 1e-8,
+    maximize: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Adam restricted to the nonzero gradient entries (``torch.optim.SparseAdam``).
+
+    JAX gradients are dense, so the sparse gradient torch would receive is defined as the
+    gradient's **nonzero entries**: exactly the entries ``grad.to_sparse()`` carries.
+    Only those entries of the moments and of the parameter change; the others keep their
+    values bit for bit. For each such entry, at the parameter's step :math:`t`:
+
+    .. math::
+
+        g &\leftarrow -g \quad \text{if maximize} \\
+        m &\leftarrow m + (1 - \beta_1)(g - m), \qquad
+        v \leftarrow v + (1 - \beta_2)(g^2 - v) \\
+        \theta &\leftarrow \theta - \gamma \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t}
+            \cdot \frac{m}{\sqrt{v} + \epsilon}
+
+    ``step`` counts every gradient a parameter receives, an all-zero one included (torch
+    increments it for an empty sparse gradient too, then skips the update).
+
+    Args:
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
+        schedule ``count -> value``.
+      betas: :math:`(\beta_1, \beta_2)`, default ``(0.9, 0.999)``.
+      eps: :math:`\epsilon` added to the denominator, default 1e-8.
+      maximize: maximize the objective instead of minimizing, default False (static).
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs`` whose state is a ``TorchState`` with
+      buffers ``step``, ``exp_avg`` and ``exp_avg_sq``.
+
+    Raises:
+      ValueError: torch's texts: ``Invalid learning rate: {lr}`` (lr must be > 0),
+        ``Invalid epsilon value: {eps}``, ``Invalid beta parameter at index 0: {b}``,
+        ``Invalid beta parameter at index 1: {b}``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.sparse_adam(lr=0.1)
+      >>> params = {"emb": jnp.ones(3)}
+      >>> step = jax.jit(fo.step, static_argnums=0)
+      >>> params, state = step(tx, params, {"emb": jnp.array([0.0, 2.0, 0.0])}, tx.init(params))
+      >>> [round(x, 6) for x in params["emb"].tolist()]  # only the nonzero-gradient entry moves
+      [1.0, 0.9, 1.0]
+      >>> [round(x, 12) for x in state.exp_avg["emb"].tolist()]
+      [0.0, 0.2, 0.0]
+
+    Note:
+      A gradient entry that is *exactly* zero is treated as absent. torch's
+      ``nn.Embedding(sparse=True)`` carries whole rows, so an exact zero inside a touched
+      row would update there (with a zero gradient) and not here; the difference only
+      arises for exact zeros. optax has no SparseAdam; ``optax.adam`` updates every entry.
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015. Mirrors
+      ``torch.optim.SparseAdam`` (``torch.optim._functional.sparse_adam``).
+    """
+    hparams = {"lr": lr, "betas": tuple(betas), "eps": eps}
+    return make_optimizer(SPARSE_ADAM_ALGORITHM, hparams, {"maximize": bool(maximize)})
