@@ -463,7 +463,7 @@ class _TorchRunner:
     def step(self, grad_leaves: Sequence[Any]) -> None:
         import torch
 
-        for t, g, dt in zip(self.tensors, grad_leaves, self.np_dtypes):
+        for t, g, dt in zip(self.tensors, grad_leaves, self.np_dtypes, strict=True):
             t.grad = None if g is None else torch.tensor(np.asarray(g, dtype=dt))
         self.opt.step()
 
@@ -489,7 +489,7 @@ def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityR
         runner.step(g_jax)
         torch_runner.step(g_torch)
         ours = treedef.flatten_up_to(runner.params)
-        for i, (a, b) in enumerate(zip(ours, torch_runner.params())):
+        for i, (a, b) in enumerate(zip(ours, torch_runner.params(), strict=True)):
             records.append(LeafError(t + 1, "param", paths[i], *_err(a, b)))
         buffers = runner.buffers()
         for name in names:

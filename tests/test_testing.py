@@ -174,6 +174,6 @@ def test_bad_arguments():
         compare_with_torch("sgd", params)
     with pytest.raises(ValueError, match="loss_fn needs data"):
         compare_with_torch("sgd", params, loss_fn=lambda p, b: 0.0)
-    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         compare_with_torch("sgd", params, [params], lr=-1.0)
     assert rel_err({"w": np.ones(2)}, {"w": np.ones(2)}) == 0.0
