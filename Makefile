@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo parity test lint docs setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -17,8 +17,21 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m functorch_optim demo
 
+parity: $(STAMP)
+	$(BIN)/python -m functorch_optim parity
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m pytest -q -p no:cacheprovider --nbmake examples
+
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check functorch_optim tests
