@@ -54,8 +54,11 @@ class LeafError:
       kind: ``"param"`` or torch's state name (``"momentum_buffer"``, ``"exp_avg"``, ...).
       path: the leaf's key path in the parameter tree (``['layer']['w']``).
       abs_err: ``max |jax - torch|`` over the leaf's elements.
-      rel_err: ``abs_err / max |torch|`` (``max |torch|`` floored at 1e-300).
-      scale: ``max |torch|`` over the leaf's elements.
+      rel_err: ``abs_err / scale`` (``scale`` floored at 1e-300).
+      scale: the largest ``|torch|`` of the leaf so far: over its elements, at this
+        step and every earlier one (a parameter's initial value included). A leaf that
+        passes near zero thus keeps the scale it had, and one ulp of rounding there does
+        not read as a large relative error.
     """
 
     step: int
@@ -362,16 +365,22 @@ def _tree_dtype_name(tree: PyTree) -> str:
     return str(max(dtypes, key=lambda d: d.itemsize))
 
 
-def _err(ours: Any, ref: Any) -> tuple[float, float, float]:
+def _maxabs(x: Any) -> float:
+    x = np.asarray(x, np.float64)
+    return float(np.max(np.abs(x))) if x.size else 0.0
+
+
+def _err(ours: Any, ref: Any, scale: float = 0.0) -> tuple[float, float, float]:
+    """``(abs_err, rel_err, scale)``, the scale being at least ``max |ref|``."""
     a = np.asarray(ours, np.float64)
     b = np.asarray(ref, np.float64)
     if a.shape != b.shape:
         # torch keeps some scalars (``step``) as 0-d tensors shared by shape
         a, b = np.broadcast_arrays(a, b)
     if b.size == 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, scale
     abs_err = float(np.max(np.abs(a - b)))
-    scale = float(np.max(np.abs(b)))
+    scale = max(scale, _maxabs(b))
     return abs_err, abs_err / max(scale, _TINY), scale
 
 
@@ -483,6 +492,14 @@ def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityR
     treedef = torch_runner.treedef
     paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
     records: list[LeafError] = []
+    # running scale per (kind, leaf): parameters start from their initial magnitude
+    scales = {("param", i): _maxabs(x) for i, x in enumerate(torch_runner.params())}
+
+    def record(t, kind, i, a, b):
+        rec = LeafError(t + 1, kind, paths[i], *_err(a, b, scales.get((kind, i), 0.0)))
+        scales[(kind, i)] = rec.scale
+        records.append(rec)
+
     for t in range(len(feed)):
         g_jax = feed.jax_grads(t, runner.params)
         g_torch = feed.torch_grads(t, torch_runner.tensors, treedef)
@@ -490,7 +507,7 @@ def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityR
         torch_runner.step(g_torch)
         ours = treedef.flatten_up_to(runner.params)
         for i, (a, b) in enumerate(zip(ours, torch_runner.params(), strict=True)):
-            records.append(LeafError(t + 1, "param", paths[i], *_err(a, b)))
+            record(t, "param", i, a, b)
         buffers = runner.buffers()
         for name in names:
             if name not in buffers:
@@ -500,5 +517,5 @@ def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityR
                 b = torch_runner.buffer(name, i)
                 if b is None or a is None:
                     continue  # torch has no state for a parameter that never had a gradient
-                records.append(LeafError(t + 1, name, paths[i], *_err(a, b)))
+                record(t, name, i, a, b)
     return ParityReport(spec.torch_name, dict(config), dtype_name, len(feed), records)
