@@ -202,9 +202,6 @@ def _asgd(c):
     return _with_prefix(c, text, optax.chain(optax.add_decayed_weights(lambd), optax.sgd(lr)))
 
 
-#: torch class name -> ``config -> (text, optax transformation)``: optax's closest
-#: construction of the same optimizer. A registry spec may carry its own
-#: ``optax_closest`` attribute (same signature), which takes precedence.
 OPTAX_CLOSEST: dict[str, Callable[[Mapping[str, Any]], tuple[str, Any]]] = {
     "SGD": _sgd,
     "Adam": _adam,
@@ -218,6 +215,9 @@ OPTAX_CLOSEST: dict[str, Callable[[Mapping[str, Any]], tuple[str, Any]]] = {
     "Rprop": _rprop,
     "ASGD": _asgd,
 }
+"""torch class name -> ``config -> (text, optax transformation)``: optax's closest
+construction of the same optimizer. A registry spec may carry its own ``optax_closest``
+attribute (same signature), which takes precedence."""
 
 
 def optax_closest(spec: OptimizerSpec, config: Mapping[str, Any]) -> tuple[str, Any] | None:

@@ -39,8 +39,8 @@ __all__ = [
     "compare_with_torch",
 ]
 
-#: Default relative tolerance of ``assert_matches_torch`` per dtype name.
 DEFAULT_RTOL: dict[str, float] = {"float64": 1e-10, "float32": 1e-5}
+"""Default relative tolerance of ``assert_matches_torch`` and the parity report, by dtype name."""
 
 _TINY = 1e-300
 
