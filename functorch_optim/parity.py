@@ -12,14 +12,17 @@ float32, next to ``torch.optim`` (``foreach=False``, the reference loop), and pr
 2. beside each row, optax's closest construction on the same steps (float64) and how
    far it lands from torch, so the reason for this package is visible in numbers.
 
-When ``functorch_optim.schedules`` provides a ``SCHEDULERS`` registry, every scheduler
-over its grid is compared with ``torch.optim.lr_scheduler`` as well (learning rates,
-step by step). The exit status is 1 when any row mismatches or errors, else 0.
+When ``functorch_optim.schedules`` exists, every scheduler of ``SCHEDULER_GRID`` it
+provides is compared with ``torch.optim.lr_scheduler`` as well: the learning rate after
+0, 1, ..., ``steps`` scheduler steps, in float64. The exit status is 1 when any row
+mismatches or errors, else 0.
 
-A scheduler spec is read duck-typed: ``name``, ``torch_name`` (the class in
-``torch.optim.lr_scheduler``), ``grid`` (keyword configurations valid for both), and
-``factory(lr, **config)`` returning ``schedule(count) -> lr`` for the ``count``-th step;
-or a ``parity(config, steps) -> (ours, torch)`` method that returns both lr sequences.
+A ``SCHEDULERS`` registry in ``functorch_optim.schedules``, if it appears, replaces
+``SCHEDULER_GRID``; its entries are read duck-typed: ``name``, ``torch_name`` (the class
+in ``torch.optim.lr_scheduler``), ``grid`` (keyword configurations valid for both), and
+``factory(lr, **config)`` returning a schedule with ``values(n)`` or a ``count -> lr``
+callable; or a ``parity(config, steps) -> (ours, torch)`` method returning both
+learning-rate sequences.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ from functorch_optim.testing import (
 
 __all__ = [
     "OPTAX_CLOSEST",
+    "SCHEDULER_GRID",
     "ParityResult",
     "ParityRow",
+    "SchedulerSpec",
     "format_report",
     "optax_closest",
     "quick_configs",
@@ -85,6 +90,8 @@ def _with_prefix(config: Mapping[str, Any], text: str, tx: Any, l2: bool = True)
         stages.append(optax.add_decayed_weights(wd))
     if not stages:
         return text, tx
+    if text.startswith("optax.chain(") and text.endswith(")"):
+        text = text[len("optax.chain(") : -1]  # one flat chain in the text
     return f"optax.chain({', '.join([*parts, text])})", optax.chain(*stages, tx)
 
 
@@ -302,7 +309,7 @@ def _short_config(name: str, config: Mapping[str, Any]) -> str:
     """The arguments that differ from torch's defaults, as ``k=v`` text."""
     defaults = _torch_defaults(name)
     shown = {k: v for k, v in config.items() if k not in defaults or defaults[k] != v}
-    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "(defaults)"
+    return ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in shown.items()) or "(defaults)"
 
 
 # --------------------------------------------------------------------------- rows
@@ -412,6 +419,8 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
+    if callable(value):
+        return getattr(value, "__name__", repr(value))
     return value
 
 
@@ -522,19 +531,96 @@ def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
 # --------------------------------------------------------------------------- schedulers
 
 
+def _exp_decay(epoch: Any) -> Any:
+    """``0.95 ** epoch``: the multiplier of the ``LambdaLR`` rows."""
+    return 0.95**epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSpec:
+    """One scheduler row source: torch's class, this package's factory, a config grid.
+
+    Attributes:
+      torch_name: the class in ``torch.optim.lr_scheduler``.
+      factory: ``factory(lr, **config)`` returning a schedule with ``values(n)`` (the
+        values after 0..n steps) or a plain ``count -> value`` callable.
+      grid: keyword configurations valid for both.
+    """
+
+    torch_name: str
+    factory: Callable[..., Any]
+    grid: tuple[Mapping[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        """The factory's name (``"step_lr"``)."""
+        return getattr(self.factory, "__name__", self.torch_name)
+
+
+SCHEDULER_GRID: dict[str, tuple[str, tuple[dict[str, Any], ...]]] = {
+    "StepLR": ("step_lr", ({"step_size": 3, "gamma": 0.5}, {"step_size": 7})),
+    "MultiStepLR": ("multi_step_lr", ({"milestones": [3, 8, 12], "gamma": 0.3},)),
+    "ConstantLR": ("constant_lr", ({}, {"factor": 0.5, "total_iters": 8})),
+    "LinearLR": ("linear_lr", ({}, {"start_factor": 0.1, "end_factor": 0.9, "total_iters": 10})),
+    "ExponentialLR": ("exponential_lr", ({"gamma": 0.9},)),
+    "PolynomialLR": ("polynomial_lr", ({}, {"total_iters": 10, "power": 2.0})),
+    "CosineAnnealingLR": ("cosine_annealing_lr", ({"T_max": 10}, {"T_max": 7, "eta_min": 0.01})),
+    "CosineAnnealingWarmRestarts": (
+        "cosine_annealing_warm_restarts",
+        ({"T_0": 5}, {"T_0": 3, "T_mult": 2, "eta_min": 0.001}),
+    ),
+    "CyclicLR": (
+        "cyclic_lr",
+        (
+            {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 4},
+            {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 3, "mode": "triangular2"},
+            {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 5, "mode": "exp_range", "gamma": 0.9},
+        ),
+    ),
+    "OneCycleLR": (
+        "one_cycle_lr",
+        (
+            {"max_lr": 0.5, "total_steps": 60},
+            {
+                "max_lr": 0.5,
+                "total_steps": 60,
+                "pct_start": 0.25,
+                "anneal_strategy": "linear",
+                "three_phase": True,
+            },
+        ),
+    ),
+    "LambdaLR": ("lambda_lr", ({"lr_lambda": _exp_decay},)),
+}
+"""torch scheduler class -> (factory name in ``functorch_optim.schedules``, config grid).
+
+Used when ``functorch_optim.schedules`` has no ``SCHEDULERS`` registry of its own.
+``ReduceLROnPlateau`` (metric-driven), ``SequentialLR`` and ``ChainedScheduler`` (built
+from other schedulers) and ``SWALR`` are left to the schedules' own tests."""
+
+
 def _scheduler_specs() -> list[Any]:
     try:
         module = importlib.import_module("functorch_optim.schedules")
     except ImportError:
         return []
-    return list(getattr(module, "SCHEDULERS", ()))
+    registry = getattr(module, "SCHEDULERS", None)
+    if registry is not None:
+        return list(registry)
+    out = []
+    for torch_name, (factory_name, grid) in SCHEDULER_GRID.items():
+        factory = getattr(module, factory_name, None)
+        if factory is not None:
+            out.append(SchedulerSpec(torch_name, factory, grid))
+    return out
 
 
 def _torch_lrs(torch_name: str, config: Mapping[str, Any], base_lr: float, steps: int) -> list[float]:
     import torch
 
     p = torch.zeros(1, requires_grad=True)
-    opt = torch.optim.SGD([p], lr=base_lr)
+    # momentum > 0: the cycling schedulers (CyclicLR, OneCycleLR) need it by default
+    opt = torch.optim.SGD([p], lr=base_lr, momentum=0.9)
     sched = getattr(torch.optim.lr_scheduler, torch_name)(opt, **config)
     lrs = [opt.param_groups[0]["lr"]]
     for _ in range(steps):
@@ -542,6 +628,19 @@ def _torch_lrs(torch_name: str, config: Mapping[str, Any], base_lr: float, steps
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
     return lrs
+
+
+def _build_schedule(factory: Callable[..., Any], base_lr: float, config: Mapping[str, Any]) -> Any:
+    """``factory`` with torch's optimizer lr as ``lr`` (positional first, or keyword)."""
+    import inspect
+
+    params = inspect.signature(factory).parameters
+    if "lr" not in params:
+        return factory(**config)
+    first = next(iter(params))
+    if first == "lr" and params["lr"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        return factory(base_lr, **config)
+    return factory(**config, lr=base_lr)
 
 
 def _scheduler_row(spec, config, steps, rtol) -> ParityRow:
@@ -552,8 +651,11 @@ def _scheduler_row(spec, config, steps, rtol) -> ParityRow:
             ours, ref = spec.parity(dict(config), steps)
         else:
             base_lr = float(getattr(spec, "base_lr", 0.1))
-            schedule = spec.factory(base_lr, **config)
-            ours = [float(schedule(jnp.asarray(t))) for t in range(steps + 1)]
+            schedule = _build_schedule(spec.factory, base_lr, config)
+            if hasattr(schedule, "values"):
+                ours = np.asarray(schedule.values(steps), np.float64).reshape(-1)
+            else:
+                ours = [float(schedule(jnp.asarray(t))) for t in range(steps + 1)]
             ref = _torch_lrs(spec.torch_name, config, base_lr, steps)
         a, b = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
         row.rel_f64 = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
@@ -683,15 +785,27 @@ def format_report(result: ParityResult) -> str:
         + ("; quick subset" if result.quick else ""),
         "",
     ]
+    opt_rows = [r for r in rows if r.kind == "optimizer"]
+    sched_rows = [r for r in rows if r.kind == "scheduler"]
     body = [
         [r.name, _short_config(r.name, r.config), str(r.steps), _num(r.rel_f64), _num(r.rel_f32), r.verdict]
-        for r in rows
+        for r in opt_rows
     ]
     lines += _table(["optimizer", "config", "steps", "max rel err f64", "max rel err f32", "verdict"], body)
+    if sched_rows:
+        lines += [
+            "",
+            "learning-rate schedulers vs torch.optim.lr_scheduler (lr after each step, float64)",
+            "",
+        ]
+        body = [
+            [r.name, _short_config(r.name, r.config), str(r.steps), _num(r.rel_f64), r.verdict]
+            for r in sched_rows
+        ]
+        lines += _table(["scheduler", "config", "steps", "max rel err", "verdict"], body)
     for r in rows:
         if r.error:
             lines.append(f"ERROR {r.name}({_short_config(r.name, r.config)}): {r.error}")
-    opt_rows = [r for r in rows if r.kind == "optimizer"]
     if any(r.optax is not None for r in opt_rows):
         lines += ["", "optax's closest construction on the same steps (float64, params only)", ""]
         body = [

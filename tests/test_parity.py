@@ -225,3 +225,67 @@ def test_parser_has_the_parity_subcommand():
 def test_unknown_only_name_exits_2(capsys):
     assert main(["parity", "--only", "nope", "--no-progress"]) == 2
     assert "nothing by these names; known: sgd" in capsys.readouterr().err
+
+
+def _step_lr(lr, step_size, gamma=0.1):
+    """StepLR in closed form, ``count -> lr``."""
+    return lambda count: lr * gamma ** (int(count) // step_size)
+
+
+class _Values:
+    def __init__(self, lr, gamma):
+        self.lr, self.gamma = lr, gamma
+
+    def values(self, n):
+        out = [self.lr]
+        for _ in range(n):
+            out.append(out[-1] * self.gamma)
+        return np.asarray(out)
+
+
+def _exponential_lr(gamma, *, lr):
+    """ExponentialLR with ``lr`` keyword-only (like one_cycle_lr) and a ``values`` method."""
+    return _Values(lr, gamma)
+
+
+def test_scheduler_rows(monkeypatch):
+    specs = [
+        parity.SchedulerSpec("StepLR", _step_lr, ({"step_size": 3, "gamma": 0.5},)),
+        parity.SchedulerSpec("ExponentialLR", _exponential_lr, ({"gamma": 0.9},)),
+        parity.SchedulerSpec("ExponentialLR", lambda lr, gamma: _Values(lr, gamma * 1.01), ({"gamma": 0.9},)),
+    ]
+    monkeypatch.setattr(parity, "_scheduler_specs", lambda: specs)
+    result = parity.run_parity(only=["ExponentialLR", "StepLR"], steps=12, progress=False)
+    assert [r.kind for r in result.rows] == ["scheduler"] * 3
+    assert [r.verdict for r in result.rows] == ["match", "match", "MISMATCH"]
+    assert result.rows[0].rel_f64 <= 1e-15 and result.rows[1].rel_f64 <= 1e-15
+    # gamma * 1.01: lr_t is 0.1 * 0.9**t * 1.01**t against torch's 0.1 * 0.9**t; scale 0.1
+    expected = max(0.9**t * (1.01**t - 1) for t in range(13))
+    assert result.rows[2].rel_f64 == pytest.approx(expected, rel=1e-9)
+    text = parity.format_report(result)
+    assert "learning-rate schedulers vs torch.optim.lr_scheduler" in text
+    assert [line.split()[:2] for line in text.splitlines() if line.startswith("StepLR")] == [
+        ["StepLR", "step_size=3,"]
+    ]
+
+
+def test_scheduler_grid_is_valid_for_torch():
+    import torch
+
+    for name, (factory_name, grid) in parity.SCHEDULER_GRID.items():
+        assert factory_name.islower()
+        for config in grid:
+            lrs = parity._torch_lrs(name, config, 0.1, 3)
+            assert len(lrs) == 4 and all(np.isfinite(lrs)), name
+    assert hasattr(torch.optim.lr_scheduler, "OneCycleLR")
+
+
+def test_schedulers_are_picked_up_when_the_module_exists():
+    import importlib.util
+
+    specs = parity._scheduler_specs()
+    if importlib.util.find_spec("functorch_optim.schedules") is None:
+        assert specs == []
+    else:
+        assert {s.torch_name for s in specs} <= set(parity.SCHEDULER_GRID) | {s.torch_name for s in specs}
+        assert specs
