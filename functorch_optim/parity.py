@@ -733,7 +733,13 @@ def run_parity(
         configs = quick_configs(grid, limit=2) if quick else [dict(c) for c in grid]
         work += [("scheduler", spec, c) for c in configs]
 
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is a convenience: run without it
+        progress = False
+
+        def tqdm(*args, **kwargs):
+            return _NoBar()
 
     t0 = time.perf_counter()
     cache = _StepCache()
@@ -748,6 +754,17 @@ def run_parity(
         bar.update()
     bar.close()
     return ParityResult(rows, steps, quick, rtol, _versions(), time.perf_counter() - t0)
+
+
+class _NoBar:
+    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def update(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _num(x: float | None) -> str:
@@ -864,6 +881,12 @@ def cli(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"functorch-optim parity: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(
+            f"functorch-optim parity: {exc}; the report runs torch: pip install 'functorch_optim[torch]'",
+            file=sys.stderr,
+        )
         return 2
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
