@@ -16,6 +16,10 @@ import griffe
 _ROLE = re.compile(r":math:`([^`]+)`")
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
 def rest_math_to_markdown(text: str) -> str:
     """Rewrite ``.. math::`` blocks and ``:math:`` roles of a docstring as ``$$``/``$``."""
     lines = text.splitlines()
@@ -32,7 +36,7 @@ def rest_math_to_markdown(text: str) -> str:
         body = [first] if first.strip() else []
         i += 1
         block: list[str] = []
-        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > len(indent)):
+        while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > len(indent)):
             block.append(lines[i])
             i += 1
         while block and not block[-1].strip():
