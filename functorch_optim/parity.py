@@ -50,6 +50,7 @@ from functorch_optim.testing import (
     _GradFeed,
     _run,
     _TorchRunner,
+    compare_with_torch,
 )
 
 __all__ = [
@@ -68,6 +69,8 @@ __all__ = [
 PARAM_SHAPES = {"layer": {"w": (3, 4), "b": (4,)}, "scale": ()}
 FULL_STEPS = 50
 QUICK_STEPS = 20
+#: Steps of a closure-driven optimizer (LBFGS: each step runs up to ``max_iter`` iterations).
+CLOSURE_STEPS = 5
 SEED = 0
 
 # --------------------------------------------------------------------------- optax
@@ -424,17 +427,43 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _stream(steps: int, dtype: Any) -> tuple[Any, list[Any]]:
+def _stream(steps: int, dtype: Any, shapes: Any = None) -> tuple[Any, list[Any]]:
+    """Random initial params and ``steps`` gradient trees (seed ``SEED``) of ``shapes``."""
     rng = np.random.default_rng(SEED)
+    shapes = PARAM_SHAPES if shapes is None else shapes
 
     def is_shape(x):
         return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
     def draw(_):
-        return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), PARAM_SHAPES, is_leaf=is_shape)
+        return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), shapes, is_leaf=is_shape)
 
     params = draw(None)
     return params, [draw(None) for _ in range(steps)]
+
+
+def _quartic(params: Any, batch: Any) -> Any:
+    """``sum 0.5 a (p - c)^2 + 0.25 (p - c)^4``: the loss of closure-driven rows (JAX)."""
+    terms = jax.tree.map(
+        lambda p, a, c: jnp.sum(0.5 * a * (p - c) ** 2 + 0.25 * (p - c) ** 4), params, batch["a"], batch["c"]
+    )
+    return sum(jax.tree.leaves(terms))
+
+
+def _torch_quartic(params: Any, batch: Any) -> Any:
+    """``_quartic`` in torch, for torch's ``closure()``."""
+    terms = jax.tree.map(
+        lambda p, a, c: (0.5 * a * (p - c) ** 2 + 0.25 * (p - c) ** 4).sum(), params, batch["a"], batch["c"]
+    )
+    return sum(jax.tree.leaves(terms))
+
+
+def _closure_problem(params: Any, dtype: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(SEED + 1)
+    return {
+        "a": jax.tree.map(lambda p: rng.uniform(0.5, 2.0, np.shape(p)).astype(dtype), params),
+        "c": jax.tree.map(lambda p: rng.standard_normal(np.shape(p)).astype(dtype), params),
+    }
 
 
 class _OptaxRunner:
@@ -484,22 +513,38 @@ class _StepCache:
 
 
 def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
+    shapes = getattr(spec, "shapes", None)
+    closure = bool(getattr(spec, "closure", False))
+    if closure:
+        steps = min(steps, CLOSURE_STEPS)
     row = ParityRow("optimizer", spec.torch_name, dict(config), steps)
     t0 = time.perf_counter()
     try:
         rels = {}
         for dtype in (np.float64, np.float32):
-            params, grads = _stream(steps, dtype)
-            runner = cache.runner(spec, config, params)
-            report = _run(
-                spec,
-                config,
-                np.dtype(dtype).name,
-                runner,
-                _TorchRunner(spec, config, params),
-                _GradFeed(grads),
-                spec.buffers,
-            )
+            params, grads = _stream(steps, dtype, shapes)
+            if closure:
+                # closure-driven (LBFGS): each step minimises a fixed smooth loss; params only
+                batch = _closure_problem(params, dtype)
+                report = compare_with_torch(
+                    spec,
+                    params,
+                    loss_fn=_quartic,
+                    data=[batch] * steps,
+                    torch_loss_fn=_torch_quartic,
+                    buffers=(),
+                    **config,
+                )
+            else:
+                report = _run(
+                    spec,
+                    config,
+                    np.dtype(dtype).name,
+                    cache.runner(spec, config, params),
+                    _TorchRunner(spec, config, params),
+                    _GradFeed(grads),
+                    spec.buffers,
+                )
             rels[np.dtype(dtype).name] = report.max_rel
         row.rel_f64, row.rel_f32 = rels["float64"], rels["float32"]
         bad = not (row.rel_f64 <= rtol["float64"] and row.rel_f32 <= rtol["float32"])
@@ -511,7 +556,7 @@ def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
             built = optax_closest(spec, config)
             if built is not None:
                 row.optax, tx = built
-                params, grads = _stream(steps, np.float64)
+                params, grads = _stream(steps, np.float64, shapes)
                 report = _run(
                     spec,
                     config,
@@ -726,7 +771,9 @@ def run_parity(
             raise ValueError(f"--only {', '.join(only)}: nothing by these names; known: {known}")
     work: list[tuple[str, Any, dict[str, Any]]] = []
     for spec in specs:
-        configs = quick_configs(spec.grid) if quick else [dict(c) for c in spec.grid]
+        # a closure-driven optimizer compiles a whole minimisation per step: fewer quick rows
+        limit = 2 if getattr(spec, "closure", False) else 3
+        configs = quick_configs(spec.grid, limit) if quick else [dict(c) for c in spec.grid]
         work += [("optimizer", spec, c) for c in configs]
     for spec in scheds:
         grid = list(getattr(spec, "grid", ({},)))

@@ -18,6 +18,7 @@ both libraries accept. torch is imported on first use only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -190,7 +191,10 @@ def compare_with_torch(
 
     Args:
       optimizer: a registry name (``"sgd"``) or torch class name (``"SGD"``), or an
-        ``OptimizerSpec``.
+        ``OptimizerSpec``. A spec with ``closure=True`` (LBFGS) is driven by the loss:
+        torch's ``step(closure)`` against ``functorch_optim.<name>_step(tx, value_fn,
+        params, state)``; one with ``sparse_grad=True`` (SparseAdam) gets sparse torch
+        gradients.
       params: the initial parameters, a pytree of arrays (NumPy or JAX).
       grads: a sequence of gradient pytrees shaped like ``params``; or ``None`` when
         ``loss_fn`` and ``data`` are given.
@@ -223,7 +227,7 @@ def compare_with_torch(
       >>> [r.where for r in report.records if r.step == 1]
       ["param ['w']", "momentum_buffer ['w']"]
     """
-    spec = optimizer if isinstance(optimizer, OptimizerSpec) else get_spec(optimizer)
+    spec = get_spec(optimizer) if isinstance(optimizer, str) else optimizer
     names = tuple(spec.buffers if buffers is None else buffers)
     if (grads is None) == (loss_fn is None):
         raise ValueError("compare_with_torch: give either grads or loss_fn and data (exactly one)")
@@ -414,6 +418,9 @@ class _LossFeed:
         ]
         self.torch_loss_fn = torch_loss_fn
         self._grad = jax.jit(jax.grad(loss_fn))
+        self._value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
+        # one function object for every step, so a jitted closure step compiles once
+        self._swapped = functools.partial(_call_swapped, loss_fn)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -435,11 +442,42 @@ class _LossFeed:
         loss.backward()
         return [None if t_.grad is None else t_.grad.detach().numpy().copy() for t_ in tensors]
 
+    def jax_value_fn(self, t: int) -> Callable[[PyTree], Any]:
+        """``params -> loss`` on batch ``t``: the closure of a closure-driven optimizer."""
+        return jax.tree_util.Partial(self._swapped, self.data[t])
+
+    def torch_closure(self, t: int, tensors: list[Any], treedef: Any) -> Callable[[], Any]:
+        """torch's ``closure()`` on batch ``t``: zero the grads, compute the loss, backward."""
+        import torch
+
+        batch = self.data[t]
+
+        def closure():
+            for t_ in tensors:
+                t_.grad = None
+            if self.torch_loss_fn is not None:
+                loss = self.torch_loss_fn(treedef.unflatten(tensors), jax.tree.map(torch.as_tensor, batch))
+                loss.backward()
+                return loss
+            current = treedef.unflatten([t_.detach().numpy() for t_ in tensors])
+            loss, grads = self._value_and_grad(jax.tree.map(jnp.asarray, current), batch)
+            for t_, g in zip(tensors, treedef.flatten_up_to(grads), strict=True):
+                t_.grad = torch.tensor(np.array(g))
+            return torch.tensor(float(loss), dtype=tensors[0].dtype)
+
+        return closure
+
+
+def _call_swapped(loss_fn: Callable[[PyTree, Any], Any], batch: Any, params: PyTree) -> Any:
+    return loss_fn(params, batch)
+
 
 class _FoRunner:
     """functorch_optim's side: one jitted ``step`` per transformation."""
 
     def __init__(self, spec: OptimizerSpec, config: Mapping[str, Any], params: PyTree, step_fn=None):
+        self.spec = spec
+        self._closure_fn = None
         self.tx = spec.factory(**config)
         self.params = jax.tree.map(jnp.asarray, params)
         self.state = self.tx.init(self.params)
@@ -449,6 +487,21 @@ class _FoRunner:
     def step(self, grads: PyTree) -> None:
         grads = jax.tree.map(lambda g: None if g is None else jnp.asarray(g), grads, is_leaf=is_none)
         self.params, self.state = self.step_fn(self.params, grads, self.state)
+
+    def closure_step(self, value_fn: Callable[[PyTree], Any]) -> None:
+        """One step of a closure-driven optimizer (``<name>_step(tx, value_fn, params, state)``)."""
+        if self._closure_fn is None:
+            import functorch_optim
+
+            driver = getattr(functorch_optim, f"{self.spec.name}_step", None)
+            tx = self.tx
+            if driver is not None:
+                fn = lambda vf, p, s: driver(tx, vf, p, s)[:2]
+            else:
+                fn = lambda vf, p, s: _fo_step(tx, p, jax.grad(vf)(p), s, value_fn=vf)
+            # value_fn is a ``jax.tree_util.Partial``: new data, same compiled step
+            self._closure_fn = jax.jit(fn)
+        self.params, self.state = self._closure_fn(value_fn, self.params, self.state)
 
     def buffers(self) -> Mapping[str, PyTree]:
         return getattr(self.state, "buffers", {})
@@ -468,13 +521,19 @@ class _TorchRunner:
         if "foreach" in inspect.signature(cls).parameters and "foreach" not in kwargs:
             kwargs["foreach"] = False
         self.opt = cls(self.tensors, **kwargs)
+        self.sparse = bool(getattr(spec, "sparse_grad", False))
 
     def step(self, grad_leaves: Sequence[Any]) -> None:
         import torch
 
         for t, g, dt in zip(self.tensors, grad_leaves, self.np_dtypes, strict=True):
             t.grad = None if g is None else torch.tensor(np.asarray(g, dtype=dt))
+            if self.sparse and t.grad is not None:  # SparseAdam takes sparse gradients only
+                t.grad = t.grad.to_sparse()
         self.opt.step()
+
+    def closure_step(self, closure: Callable[[], Any]) -> None:
+        self.opt.step(closure)
 
     def params(self) -> list[np.ndarray]:
         return [t.detach().numpy().copy() for t in self.tensors]
@@ -500,15 +559,25 @@ def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityR
         scales[(kind, i)] = rec.scale
         records.append(rec)
 
+    closure = bool(getattr(spec, "closure", False))
+    if closure and not isinstance(feed, _LossFeed):
+        raise ValueError(
+            f"{spec.torch_name} is closure-driven: compare it on a loss function (loss_fn and data), "
+            "not on a gradient sequence"
+        )
     for t in range(len(feed)):
-        g_jax = feed.jax_grads(t, runner.params)
-        g_torch = feed.torch_grads(t, torch_runner.tensors, treedef)
-        runner.step(g_jax)
-        torch_runner.step(g_torch)
+        if closure:
+            runner.closure_step(feed.jax_value_fn(t))
+            torch_runner.closure_step(feed.torch_closure(t, torch_runner.tensors, treedef))
+        else:
+            g_jax = feed.jax_grads(t, runner.params)
+            g_torch = feed.torch_grads(t, torch_runner.tensors, treedef)
+            runner.step(g_jax)
+            torch_runner.step(g_torch)
         ours = treedef.flatten_up_to(runner.params)
         for i, (a, b) in enumerate(zip(ours, torch_runner.params(), strict=True)):
             record(t, "param", i, a, b)
-        buffers = runner.buffers()
+        buffers = {} if closure else runner.buffers()  # a closure optimizer's state is global
         for name in names:
             if name not in buffers:
                 continue
