@@ -72,3 +72,34 @@ def test_missing_docstring_is_detected(tmp_path):
     (pkg / "__init__.py").write_text('__all__ = ["f"]\n\ndef f(x):\n    return x\n')
     loaded = griffe.load("demo_pkg", search_paths=[str(tmp_path)])
     assert loaded["f"].docstring is None
+
+
+def test_rest_math_becomes_arithmatex_markup():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "griffe_math.py"
+    spec = importlib.util.spec_from_file_location("griffe_math", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = "Rule for :math:`\\theta`:\n\n.. math::\n\n    a &= b \\\\\n    c &= d\n\nAfter."
+    assert mod.rest_math_to_markdown(text).splitlines() == [
+        "Rule for $\\theta$:",
+        "",
+        "",
+        "$$",
+        "\\begin{aligned}",
+        "a &= b \\\\",
+        "c &= d",
+        "\\end{aligned}",
+        "$$",
+        "",
+        "After.",
+    ]
+    inline = ".. math:: \\bar g = \\frac{1}{k}\n          \\sum g_i\n\nNext."
+    assert mod.rest_math_to_markdown(inline).splitlines()[1:5] == [
+        "$$",
+        "\\bar g = \\frac{1}{k}",
+        "\\sum g_i",
+        "$$",
+    ]
