@@ -4,12 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo parity test lint docs setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -17,8 +17,17 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m functorch_optim demo
 
+parity: $(STAMP)
+	$(BIN)/python -m functorch_optim parity
+
+# the unit tests, the notebooks (executed), the documentation site (strict)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m pytest -q -p no:cacheprovider --nbmake examples
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check functorch_optim tests

@@ -1,26 +1,39 @@
-"""Command line: ``python -m functorch_optim <command>`` (also ``functorch-optim``)."""
+"""``python -m functorch_optim <command>`` and the ``functorch-optim`` console script.
+
+Each subcommand lives in its own module and plugs in here with one line: a function
+that adds its parser to the subparsers and sets ``func`` (``args -> exit status``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Sequence
+
+# (module, function adding the subcommand's parser); imported lazily on startup
+SUBCOMMANDS: list[tuple[str, str]] = [
+    ("functorch_optim.parity", "add_parser"),
+    ("functorch_optim._demo", "add_parser"),
+]
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from functorch_optim import _demo
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="functorch-optim",
+        description="torch.optim as pure JAX functions: tools and reports.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module, function in SUBCOMMANDS:
+        getattr(importlib.import_module(module), function)(subparsers)
+    return parser
 
-    result = _demo.run(steps=args.steps)
-    return 0 if result["max_rel_diff"] <= 1e-9 else 1
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="functorch_optim", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train an MLP with SGD + grad_accumulate next to torch")
-    demo.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    demo.set_defaults(run=_demo)
-    args = parser.parse_args(argv)
-    return args.run(args)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

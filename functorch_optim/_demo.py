@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -87,3 +88,10 @@ def run(steps: int = 60, every: int = 4, micro_batch: int = 16, hidden: int = 32
         f"{steps} steps: {max_diff:.1e}"
     )
     return {"jax": jax_curve, "torch": torch_curve, "max_rel_diff": max_diff}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """The ``demo`` subcommand: exit status 0 when the two runs agree to 1e-9."""
+    demo = subparsers.add_parser("demo", help="train an MLP with SGD + grad_accumulate next to torch")
+    demo.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    demo.set_defaults(func=lambda args: 0 if run(steps=args.steps)["max_rel_diff"] <= 1e-9 else 1)

@@ -1,0 +1,1 @@
+"""Bridges to other frameworks; ``functorch_optim.interop.torch`` converts torch weights."""

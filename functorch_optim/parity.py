@@ -1,0 +1,949 @@
+"""The parity report: every optimizer of the registry, over its config grid, against torch.
+
+``python -m functorch_optim parity`` (or the console script ``functorch-optim parity``)
+runs each ``OptimizerSpec`` of ``functorch_optim._registry.OPTIMIZERS`` over every
+configuration of its ``grid`` (``--quick``: a few configurations that together cover
+every value of every argument) on a fixed random gradient stream, in float64 and in
+float32, next to ``torch.optim`` (``foreach=False``, the reference loop), and prints:
+
+1. config, steps, the largest relative error of params and state over all steps in
+   float64 and float32, and a verdict (``match`` within the tolerances of
+   ``functorch_optim.testing.DEFAULT_RTOL``);
+2. beside each row, optax's closest construction on the same steps (float64) and how
+   far it lands from torch, so the reason for this package is visible in numbers.
+
+When ``functorch_optim.schedules`` exists, every scheduler of ``SCHEDULER_GRID`` it
+provides is compared with ``torch.optim.lr_scheduler`` as well: the learning rate after
+0, 1, ..., ``steps`` scheduler steps, in float64. The exit status is 1 when any row
+mismatches or errors, else 0.
+
+A ``SCHEDULERS`` registry in ``functorch_optim.schedules``, if it appears, replaces
+``SCHEDULER_GRID``; its entries are read duck-typed: ``name``, ``torch_name`` (the class
+in ``torch.optim.lr_scheduler``), ``grid`` (keyword configurations valid for both), and
+``factory(lr, **config)`` returning a schedule with ``values(n)`` or a ``count -> lr``
+callable; or a ``parity(config, steps) -> (ours, torch)`` method returning both
+learning-rate sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functorch_optim._hyperparams import HParams
+from functorch_optim._registry import OPTIMIZERS, OptimizerSpec
+from functorch_optim.testing import (
+    DEFAULT_RTOL,
+    _FoRunner,
+    _GradFeed,
+    _run,
+    _TorchRunner,
+    compare_with_torch,
+)
+
+__all__ = [
+    "OPTAX_CLOSEST",
+    "SCHEDULER_GRID",
+    "ParityResult",
+    "ParityRow",
+    "SchedulerSpec",
+    "format_report",
+    "optax_closest",
+    "quick_configs",
+    "run_parity",
+]
+
+#: The parameter tree of every row: a matrix, a vector and a 0-d scalar, nested.
+PARAM_SHAPES = {"layer": {"w": (3, 4), "b": (4,)}, "scale": ()}
+FULL_STEPS = 50
+QUICK_STEPS = 20
+#: Steps of a closure-driven optimizer (LBFGS: each step runs up to ``max_iter`` iterations).
+CLOSURE_STEPS = 5
+SEED = 0
+
+# --------------------------------------------------------------------------- optax
+
+
+def _betas(config: Mapping[str, Any]) -> tuple[float, float]:
+    b1, b2 = config.get("betas", (0.9, 0.999))
+    return float(b1), float(b2)
+
+
+def _with_prefix(config: Mapping[str, Any], text: str, tx: Any, l2: bool = True) -> tuple[str, Any]:
+    """Prepend torch's ``maximize`` (negate) and L2 ``weight_decay`` (``g + wd p``) stages."""
+    parts, stages = [], []
+    if config.get("maximize", False):
+        parts.append("optax.scale(-1.0)")
+        stages.append(optax.scale(-1.0))
+    wd = float(config.get("weight_decay", 0.0))
+    if l2 and wd:
+        parts.append(f"optax.add_decayed_weights({wd:g})")
+        stages.append(optax.add_decayed_weights(wd))
+    if not stages:
+        return text, tx
+    if text.startswith("optax.chain(") and text.endswith(")"):
+        text = text[len("optax.chain(") : -1]  # one flat chain in the text
+    return f"optax.chain({', '.join([*parts, text])})", optax.chain(*stages, tx)
+
+
+def _sgd(c):
+    lr, mom = float(c.get("lr", 1e-3)), float(c.get("momentum", 0.0))
+    nesterov = bool(c.get("nesterov", False))
+    text = (
+        f"optax.sgd({lr:g}" + (f", momentum={mom:g}" if mom else "") + (", nesterov=True" if nesterov else "")
+    )
+    text += ")"
+    return _with_prefix(c, text, optax.sgd(lr, momentum=mom or None, nesterov=nesterov))
+
+
+def _adam(c):
+    lr, (b1, b2), eps = float(c.get("lr", 1e-3)), _betas(c), float(c.get("eps", 1e-8))
+    wd = float(c.get("weight_decay", 0.0))
+    decoupled = bool(c.get("decoupled_weight_decay", False))
+    if c.get("amsgrad", False):
+        core = optax.scale_by_amsgrad(b1, b2, eps)
+        if decoupled and wd:
+            text = (
+                f"optax.chain(optax.scale_by_amsgrad({b1:g}, {b2:g}, {eps:g}), "
+                f"optax.add_decayed_weights({wd:g}), optax.scale(-{lr:g}))"
+            )
+            return _with_prefix(
+                c, text, optax.chain(core, optax.add_decayed_weights(wd), optax.scale(-lr)), l2=False
+            )
+        return _with_prefix(
+            c, f"optax.amsgrad({lr:g}, {b1:g}, {b2:g}, {eps:g})", optax.amsgrad(lr, b1, b2, eps)
+        )
+    if decoupled:
+        return _with_prefix(
+            c,
+            f"optax.adamw({lr:g}, {b1:g}, {b2:g}, {eps:g}, weight_decay={wd:g})",
+            optax.adamw(lr, b1, b2, eps, weight_decay=wd),
+            l2=False,
+        )
+    return _with_prefix(c, f"optax.adam({lr:g}, {b1:g}, {b2:g}, {eps:g})", optax.adam(lr, b1, b2, eps))
+
+
+def _adamw(c):
+    return _adam({"weight_decay": 1e-2, **c, "decoupled_weight_decay": True})
+
+
+def _adagrad(c):
+    lr, decay = float(c.get("lr", 1e-2)), float(c.get("lr_decay", 0.0))
+    iav, eps = float(c.get("initial_accumulator_value", 0.0)), float(c.get("eps", 1e-10))
+    if decay:
+        lr_arg = lambda count: lr / (1 + count * decay)
+        lr_text = f"lambda t: {lr:g} / (1 + t * {decay:g})"
+    else:
+        lr_arg, lr_text = lr, f"{lr:g}"
+    text = f"optax.adagrad({lr_text}, initial_accumulator_value={iav:g}, eps={eps:g})"
+    return _with_prefix(c, text, optax.adagrad(lr_arg, initial_accumulator_value=iav, eps=eps))
+
+
+def _rmsprop(c):
+    lr, alpha, eps = float(c.get("lr", 1e-2)), float(c.get("alpha", 0.99)), float(c.get("eps", 1e-8))
+    mom, centered = float(c.get("momentum", 0.0)), bool(c.get("centered", False))
+    text = f"optax.rmsprop({lr:g}, decay={alpha:g}, eps={eps:g}, eps_in_sqrt=False"
+    text += (f", momentum={mom:g}" if mom else "") + (", centered=True" if centered else "") + ")"
+    tx = optax.rmsprop(lr, decay=alpha, eps=eps, eps_in_sqrt=False, centered=centered, momentum=mom or None)
+    return _with_prefix(c, text, tx)
+
+
+def _adadelta(c):
+    lr, rho, eps = float(c.get("lr", 1.0)), float(c.get("rho", 0.9)), float(c.get("eps", 1e-6))
+    return _with_prefix(
+        c, f"optax.adadelta({lr:g}, rho={rho:g}, eps={eps:g})", optax.adadelta(lr, rho=rho, eps=eps)
+    )
+
+
+def _adamax(c):
+    lr, (b1, b2), eps = float(c.get("lr", 2e-3)), _betas(c), float(c.get("eps", 1e-8))
+    return _with_prefix(c, f"optax.adamax({lr:g}, {b1:g}, {b2:g}, {eps:g})", optax.adamax(lr, b1, b2, eps))
+
+
+def _nadam(c):
+    lr, (b1, b2), eps = float(c.get("lr", 2e-3)), _betas(c), float(c.get("eps", 1e-8))
+    wd = float(c.get("weight_decay", 0.0))
+    if c.get("decoupled_weight_decay", False):
+        text = f"optax.nadamw({lr:g}, {b1:g}, {b2:g}, {eps:g}, weight_decay={wd:g})"
+        return _with_prefix(c, text, optax.nadamw(lr, b1, b2, eps, weight_decay=wd), l2=False)
+    return _with_prefix(c, f"optax.nadam({lr:g}, {b1:g}, {b2:g}, {eps:g})", optax.nadam(lr, b1, b2, eps))
+
+
+def _radam(c):
+    lr, (b1, b2), eps = float(c.get("lr", 1e-3)), _betas(c), float(c.get("eps", 1e-8))
+    wd = float(c.get("weight_decay", 0.0))
+    if c.get("decoupled_weight_decay", False) and wd:
+        text = (
+            f"optax.chain(optax.scale_by_radam({b1:g}, {b2:g}, {eps:g}), "
+            f"optax.add_decayed_weights({wd:g}), optax.scale(-{lr:g}))"
+        )
+        tx = optax.chain(optax.scale_by_radam(b1, b2, eps), optax.add_decayed_weights(wd), optax.scale(-lr))
+        return _with_prefix(c, text, tx, l2=False)
+    return _with_prefix(c, f"optax.radam({lr:g}, {b1:g}, {b2:g}, {eps:g})", optax.radam(lr, b1, b2, eps))
+
+
+def _rprop(c):
+    lr = float(c.get("lr", 1e-2))
+    em, ep = (float(x) for x in c.get("etas", (0.5, 1.2)))
+    smin, smax = (float(x) for x in c.get("step_sizes", (1e-6, 50.0)))
+    text = (
+        f"optax.rprop({lr:g}, eta_minus={em:g}, eta_plus={ep:g}, "
+        f"min_step_size={smin:g}, max_step_size={smax:g})"
+    )
+    return _with_prefix(c, text, optax.rprop(lr, em, ep, smin, smax), l2=False)
+
+
+def _asgd(c):
+    # optax has no averaged SGD: the closest is SGD with lambd as decoupled shrinkage
+    lr, lambd = float(c.get("lr", 1e-2)), float(c.get("lambd", 1e-4))
+    text = f"optax.chain(optax.add_decayed_weights({lambd:g}), optax.sgd({lr:g}))"
+    return _with_prefix(c, text, optax.chain(optax.add_decayed_weights(lambd), optax.sgd(lr)))
+
+
+OPTAX_CLOSEST: dict[str, Callable[[Mapping[str, Any]], tuple[str, Any]]] = {
+    "SGD": _sgd,
+    "Adam": _adam,
+    "AdamW": _adamw,
+    "Adagrad": _adagrad,
+    "RMSprop": _rmsprop,
+    "Adadelta": _adadelta,
+    "Adamax": _adamax,
+    "NAdam": _nadam,
+    "RAdam": _radam,
+    "Rprop": _rprop,
+    "ASGD": _asgd,
+}
+"""torch class name -> ``config -> (text, optax transformation)``: optax's closest
+construction of the same optimizer. A registry spec may carry its own ``optax_closest``
+attribute (same signature), which takes precedence."""
+
+
+def optax_closest(spec: OptimizerSpec, config: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """optax's closest construction of ``spec`` with ``config``, as ``(text, transformation)``.
+
+    Args:
+      spec: a registry entry.
+      config: torch keyword arguments.
+
+    Returns:
+      ``(text, tx)``, or ``None`` when optax has nothing comparable (LBFGS, ...).
+
+    Examples:
+      >>> from functorch_optim._registry import get_spec
+      >>> from functorch_optim.parity import optax_closest
+      >>> optax_closest(get_spec("SGD"), {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.05})[0]
+      'optax.chain(optax.add_decayed_weights(0.05), optax.sgd(0.1, momentum=0.9))'
+    """
+    build = getattr(spec, "optax_closest", None) or OPTAX_CLOSEST.get(spec.torch_name)
+    return None if build is None else build(config)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def quick_configs(grid: Sequence[Mapping[str, Any]], limit: int = 3) -> list[dict[str, Any]]:
+    """A few configurations of ``grid`` that together show every value of every argument.
+
+    Greedy: the first configuration, then repeatedly the one that adds the most
+    (argument, value) pairs not yet seen (ties: the one with more non-zero, non-False
+    values, so that arguments act together), until all are seen or ``limit`` are taken.
+
+    Args:
+      grid: the full configuration grid.
+      limit: the most configurations to take, default 3.
+
+    Returns:
+      The chosen configurations, in grid order.
+
+    Examples:
+      >>> from functorch_optim.parity import quick_configs
+      >>> quick_configs([{"a": 1, "b": 1}, {"a": 1, "b": 2}, {"a": 2, "b": 2}])
+      [{'a': 1, 'b': 1}, {'a': 2, 'b': 2}]
+    """
+    grid = [dict(c) for c in grid]
+    if not grid:
+        return []
+
+    def pairs(c):
+        return {(k, repr(v)) for k, v in c.items()}
+
+    wanted = set().union(*(pairs(c) for c in grid))
+    chosen = [0]
+    seen = pairs(grid[0])
+    while seen != wanted and len(chosen) < limit:
+        best = max(range(len(grid)), key=lambda i: (len(pairs(grid[i]) - seen), _active(grid[i]), -i))
+        if not pairs(grid[best]) - seen:
+            break
+        chosen.append(best)
+        seen |= pairs(grid[best])
+    return [grid[i] for i in sorted(chosen)]
+
+
+def _active(config: Mapping[str, Any]) -> int:
+    return sum(bool(v) for v in config.values())
+
+
+def _torch_defaults(torch_name: str) -> dict[str, Any]:
+    import inspect
+
+    try:
+        import torch
+
+        cls = getattr(torch.optim, torch_name, None) or getattr(torch.optim.lr_scheduler, torch_name)
+        params = inspect.signature(cls).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def _short_config(name: str, config: Mapping[str, Any]) -> str:
+    """The arguments that differ from torch's defaults, as ``k=v`` text."""
+    defaults = _torch_defaults(name)
+    shown = {k: v for k, v in config.items() if k not in defaults or defaults[k] != v}
+    return ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in shown.items()) or "(defaults)"
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclasses.dataclass
+class ParityRow:
+    """One row of the report.
+
+    Attributes:
+      kind: ``"optimizer"`` or ``"scheduler"``.
+      name: torch's class name.
+      config: the keyword arguments.
+      steps: the number of steps compared.
+      rel_f64: the largest relative error in float64 (params and state; lrs for a
+        scheduler), or ``None`` if not run.
+      rel_f32: the same in float32 (``None`` for schedulers).
+      verdict: ``"match"``, ``"MISMATCH"`` or ``"ERROR"``.
+      error: the exception text of an ``ERROR`` row.
+      optax: optax's closest construction as text (``None``: none exists).
+      optax_rel_f64: how far optax lands from torch (params, float64).
+      seconds: wall time of the row.
+    """
+
+    kind: str
+    name: str
+    config: dict[str, Any]
+    steps: int
+    rel_f64: float | None = None
+    rel_f32: float | None = None
+    verdict: str = "match"
+    error: str | None = None
+    optax: str | None = None
+    optax_rel_f64: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Whether the row matches torch."""
+        return self.verdict == "match"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as JSON-ready data."""
+        out = dataclasses.asdict(self)
+        out["config"] = _jsonable(self.config)
+        for key in ("rel_f64", "rel_f32", "optax_rel_f64"):
+            if out[key] is not None and not math.isfinite(out[key]):
+                out[key] = str(out[key])
+        return out
+
+
+@dataclasses.dataclass
+class ParityResult:
+    """All rows of one report, with what produced them.
+
+    Attributes:
+      rows: optimizer rows first (registry order), then scheduler rows.
+      steps: steps per row.
+      quick: whether the quick subset ran.
+      rtol: the tolerances by dtype name.
+      versions: torch, jax, optax, functorch_optim versions.
+      seconds: total wall time.
+    """
+
+    rows: list[ParityRow]
+    steps: int
+    quick: bool
+    rtol: dict[str, float]
+    versions: dict[str, str]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Whether every row matches torch."""
+        return all(r.ok for r in self.rows)
+
+    def summary(self) -> dict[str, int]:
+        """Row counts: total, match, mismatch, error, and optax rows within tolerance."""
+        opt_rows = [r for r in self.rows if r.optax_rel_f64 is not None]
+        return {
+            "rows": len(self.rows),
+            "match": sum(r.verdict == "match" for r in self.rows),
+            "mismatch": sum(r.verdict == "MISMATCH" for r in self.rows),
+            "error": sum(r.verdict == "ERROR" for r in self.rows),
+            "optax_rows": len(opt_rows),
+            "optax_exact": sum(r.optax_rel_f64 <= self.rtol["float64"] for r in opt_rows),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole report as JSON-ready data."""
+        return {
+            "ok": self.ok,
+            "steps": self.steps,
+            "quick": self.quick,
+            "rtol": self.rtol,
+            "versions": self.versions,
+            "seconds": self.seconds,
+            "summary": self.summary(),
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if callable(value):
+        return getattr(value, "__name__", repr(value))
+    return value
+
+
+def _stream(steps: int, dtype: Any, shapes: Any = None) -> tuple[Any, list[Any]]:
+    """Random initial params and ``steps`` gradient trees (seed ``SEED``) of ``shapes``."""
+    rng = np.random.default_rng(SEED)
+    shapes = PARAM_SHAPES if shapes is None else shapes
+
+    def is_shape(x):
+        return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+    def draw(_):
+        return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), shapes, is_leaf=is_shape)
+
+    params = draw(None)
+    return params, [draw(None) for _ in range(steps)]
+
+
+def _quartic(params: Any, batch: Any) -> Any:
+    """``sum 0.5 a (p - c)^2 + 0.25 (p - c)^4``: the loss of closure-driven rows (JAX)."""
+    terms = jax.tree.map(
+        lambda p, a, c: jnp.sum(0.5 * a * (p - c) ** 2 + 0.25 * (p - c) ** 4), params, batch["a"], batch["c"]
+    )
+    return sum(jax.tree.leaves(terms))
+
+
+def _torch_quartic(params: Any, batch: Any) -> Any:
+    """``_quartic`` in torch, for torch's ``closure()``."""
+    terms = jax.tree.map(
+        lambda p, a, c: (0.5 * a * (p - c) ** 2 + 0.25 * (p - c) ** 4).sum(), params, batch["a"], batch["c"]
+    )
+    return sum(jax.tree.leaves(terms))
+
+
+def _closure_problem(params: Any, dtype: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(SEED + 1)
+    return {
+        "a": jax.tree.map(lambda p: rng.uniform(0.5, 2.0, np.shape(p)).astype(dtype), params),
+        "c": jax.tree.map(lambda p: rng.standard_normal(np.shape(p)).astype(dtype), params),
+    }
+
+
+class _OptaxRunner:
+    """optax's side, op by op: a few dozen small steps cost less than one compilation.
+
+    Unjitted results can differ from jitted optax by a rounding (about 1e-16 relative:
+    XLA may contract a multiply and an add), far below the gaps this column exists to
+    show; the verdict threshold is the float64 tolerance.
+    """
+
+    def __init__(self, tx: Any, params: Any):
+        self.params = jax.tree.map(jnp.asarray, params)
+        self.state = tx.init(self.params)
+
+        def step(p, g, s):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        self.step_fn = step
+
+    def step(self, grads: Any) -> None:
+        grads = jax.tree.map(jnp.asarray, grads)
+        self.params, self.state = self.step_fn(self.params, grads, self.state)
+
+    def buffers(self) -> dict[str, Any]:
+        return {}
+
+
+class _StepCache:
+    """Compiled steps shared by configurations that differ only in numeric values.
+
+    Numeric hyperparameters live in the state (``HParams``), so two configurations with
+    the same structure (same static flags, same buffers) have states of one tree
+    structure and one compiled step serves both — exactly what ``set_hparams`` relies
+    on. Transformations whose state holds no ``HParams`` are compiled per config.
+    """
+
+    def __init__(self):
+        self.fns: dict[Any, Callable] = {}
+
+    def runner(self, spec: OptimizerSpec, config: Mapping[str, Any], params: Any) -> _FoRunner:
+        runner = _FoRunner(spec, config, params)
+        has_hparams = any(
+            isinstance(x, HParams)
+            for x in jax.tree.leaves(runner.state, is_leaf=lambda x: isinstance(x, HParams))
+        )
+        if not has_hparams:
+            return runner
+        key = (spec.name, jax.tree.structure(runner.state))
+        if key not in self.fns:
+            self.fns[key] = runner.step_fn
+        runner.step_fn = self.fns[key]
+        return runner
+
+
+def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
+    shapes = getattr(spec, "shapes", None)
+    closure = bool(getattr(spec, "closure", False))
+    if closure:
+        steps = min(steps, CLOSURE_STEPS)
+    row = ParityRow("optimizer", spec.torch_name, dict(config), steps)
+    t0 = time.perf_counter()
+    try:
+        rels = {}
+        for dtype in (np.float64, np.float32):
+            params, grads = _stream(steps, dtype, shapes)
+            if closure:
+                # closure-driven (LBFGS): each step minimises a fixed smooth loss; params only
+                batch = _closure_problem(params, dtype)
+                report = compare_with_torch(
+                    spec,
+                    params,
+                    loss_fn=_quartic,
+                    data=[batch] * steps,
+                    torch_loss_fn=_torch_quartic,
+                    buffers=(),
+                    **config,
+                )
+            else:
+                report = _run(
+                    spec,
+                    config,
+                    np.dtype(dtype).name,
+                    cache.runner(spec, config, params),
+                    _TorchRunner(spec, config, params),
+                    _GradFeed(grads),
+                    spec.buffers,
+                )
+            rels[np.dtype(dtype).name] = report.max_rel
+        row.rel_f64, row.rel_f32 = rels["float64"], rels["float32"]
+        bad = not (row.rel_f64 <= rtol["float64"] and row.rel_f32 <= rtol["float32"])
+        row.verdict = "MISMATCH" if bad else "match"
+    except Exception as exc:  # a row that cannot run is reported, never hides the others
+        row.verdict, row.error = "ERROR", f"{type(exc).__name__}: {exc}"
+    if with_optax:
+        try:
+            built = optax_closest(spec, config)
+            if built is not None:
+                row.optax, tx = built
+                params, grads = _stream(steps, np.float64, shapes)
+                report = _run(
+                    spec,
+                    config,
+                    "float64",
+                    _OptaxRunner(tx, params),
+                    _TorchRunner(spec, config, params),
+                    _GradFeed(grads),
+                    (),
+                )
+                row.optax_rel_f64 = report.max_rel
+        except Exception as exc:  # optax's side is informative only
+            row.optax = f"{row.optax or 'optax'} (failed: {type(exc).__name__}: {exc})"
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+# --------------------------------------------------------------------------- schedulers
+
+
+def _exp_decay(epoch: Any) -> Any:
+    """``0.95 ** epoch``: the multiplier of the ``LambdaLR`` rows."""
+    return 0.95**epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSpec:
+    """One scheduler row source: torch's class, this package's factory, a config grid.
+
+    Attributes:
+      torch_name: the class in ``torch.optim.lr_scheduler``.
+      factory: ``factory(lr, **config)`` returning a schedule with ``values(n)`` (the
+        values after 0..n steps) or a plain ``count -> value`` callable.
+      grid: keyword configurations valid for both.
+    """
+
+    torch_name: str
+    factory: Callable[..., Any]
+    grid: tuple[Mapping[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        """The factory's name (``"step_lr"``)."""
+        return getattr(self.factory, "__name__", self.torch_name)
+
+
+SCHEDULER_GRID: dict[str, tuple[str, tuple[dict[str, Any], ...]]] = {
+    "StepLR": ("step_lr", ({"step_size": 3, "gamma": 0.5}, {"step_size": 7})),
+    "MultiStepLR": ("multi_step_lr", ({"milestones": [3, 8, 12], "gamma": 0.3},)),
+    "ConstantLR": ("constant_lr", ({}, {"factor": 0.5, "total_iters": 8})),
+    "LinearLR": ("linear_lr", ({}, {"start_factor": 0.1, "end_factor": 0.9, "total_iters": 10})),
+    "ExponentialLR": ("exponential_lr", ({"gamma": 0.9},)),
+    "PolynomialLR": ("polynomial_lr", ({}, {"total_iters": 10, "power": 2.0})),
+    "CosineAnnealingLR": ("cosine_annealing_lr", ({"T_max": 10}, {"T_max": 7, "eta_min": 0.01})),
+    "CosineAnnealingWarmRestarts": (
+        "cosine_annealing_warm_restarts",
+        ({"T_0": 5}, {"T_0": 3, "T_mult": 2, "eta_min": 0.001}),
+    ),
+    "CyclicLR": (
+        "cyclic_lr",
+        (
+            {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 4},
+            {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 3, "mode": "triangular2"},
+            {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 5, "mode": "exp_range", "gamma": 0.9},
+        ),
+    ),
+    "OneCycleLR": (
+        "one_cycle_lr",
+        (
+            {"max_lr": 0.5, "total_steps": 60},
+            {
+                "max_lr": 0.5,
+                "total_steps": 60,
+                "pct_start": 0.25,
+                "anneal_strategy": "linear",
+                "three_phase": True,
+            },
+        ),
+    ),
+    "LambdaLR": ("lambda_lr", ({"lr_lambda": _exp_decay},)),
+}
+"""torch scheduler class -> (factory name in ``functorch_optim.schedules``, config grid).
+
+Used when ``functorch_optim.schedules`` has no ``SCHEDULERS`` registry of its own.
+``ReduceLROnPlateau`` (metric-driven), ``SequentialLR`` and ``ChainedScheduler`` (built
+from other schedulers) and ``SWALR`` are left to the schedules' own tests."""
+
+
+def _scheduler_specs() -> list[Any]:
+    try:
+        module = importlib.import_module("functorch_optim.schedules")
+    except ImportError:
+        return []
+    registry = getattr(module, "SCHEDULERS", None)
+    if registry is not None:
+        return list(registry)
+    out = []
+    for torch_name, (factory_name, grid) in SCHEDULER_GRID.items():
+        factory = getattr(module, factory_name, None)
+        if factory is not None:
+            out.append(SchedulerSpec(torch_name, factory, grid))
+    return out
+
+
+def _torch_lrs(torch_name: str, config: Mapping[str, Any], base_lr: float, steps: int) -> list[float]:
+    import torch
+
+    p = torch.zeros(1, requires_grad=True)
+    # momentum > 0: the cycling schedulers (CyclicLR, OneCycleLR) need it by default
+    opt = torch.optim.SGD([p], lr=base_lr, momentum=0.9)
+    sched = getattr(torch.optim.lr_scheduler, torch_name)(opt, **config)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+def _build_schedule(factory: Callable[..., Any], base_lr: float, config: Mapping[str, Any]) -> Any:
+    """``factory`` with torch's optimizer lr as ``lr`` (positional first, or keyword)."""
+    import inspect
+
+    params = inspect.signature(factory).parameters
+    if "lr" not in params:
+        return factory(**config)
+    first = next(iter(params))
+    if first == "lr" and params["lr"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        return factory(base_lr, **config)
+    return factory(**config, lr=base_lr)
+
+
+def _scheduler_row(spec, config, steps, rtol) -> ParityRow:
+    row = ParityRow("scheduler", spec.torch_name, dict(config), steps)
+    t0 = time.perf_counter()
+    try:
+        if hasattr(spec, "parity"):
+            ours, ref = spec.parity(dict(config), steps)
+        else:
+            base_lr = float(getattr(spec, "base_lr", 0.1))
+            schedule = _build_schedule(spec.factory, base_lr, config)
+            if hasattr(schedule, "values"):
+                ours = np.asarray(schedule.values(steps), np.float64).reshape(-1)
+            else:
+                ours = [float(schedule(jnp.asarray(t))) for t in range(steps + 1)]
+            ref = _torch_lrs(spec.torch_name, config, base_lr, steps)
+        a, b = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+        row.rel_f64 = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
+        row.verdict = "match" if row.rel_f64 <= rtol["float64"] else "MISMATCH"
+    except Exception as exc:
+        row.verdict, row.error = "ERROR", f"{type(exc).__name__}: {exc}"
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _versions() -> dict[str, str]:
+    import functorch_optim
+
+    out = {"functorch_optim": functorch_optim.__version__, "jax": jax.__version__, "optax": optax.__version__}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        out["torch"] = "missing"
+    return out
+
+
+def run_parity(
+    *,
+    quick: bool = False,
+    only: Sequence[str] | None = None,
+    steps: int | None = None,
+    with_optax: bool = True,
+    progress: bool = True,
+    rtol: Mapping[str, float] | None = None,
+) -> ParityResult:
+    """Run the parity report and return its rows.
+
+    Args:
+      quick: run ``quick_configs`` of each grid and ``QUICK_STEPS`` steps instead of the
+        whole grid and ``FULL_STEPS`` steps, default False.
+      only: restrict to these optimizers/schedulers (factory or torch names), default all.
+      steps: override the number of steps.
+      with_optax: also run optax's closest constructions, default True.
+      progress: show a progress bar on stderr (tqdm), default True.
+      rtol: tolerances by dtype name, default ``testing.DEFAULT_RTOL``.
+
+    Returns:
+      A ``ParityResult``; ``result.ok`` is False if any row mismatches or errors.
+
+    Raises:
+      ValueError: if ``only`` names nothing known, or ``jax_enable_x64`` is off.
+      ImportError: if torch is not installed.
+    """
+    import torch  # noqa: F401  (fail early with a clear ImportError)
+
+    if not jax.config.jax_enable_x64:
+        raise ValueError('the parity report needs jax_enable_x64: jax.config.update("jax_enable_x64", True)')
+    rtol = dict(DEFAULT_RTOL if rtol is None else rtol)
+    steps = steps or (QUICK_STEPS if quick else FULL_STEPS)
+    specs = list(OPTIMIZERS)
+    scheds = _scheduler_specs()
+    if only:
+        wanted = {n.lower() for n in only}
+        specs = [s for s in specs if {s.name.lower(), s.torch_name.lower()} & wanted]
+        scheds = [s for s in scheds if {str(s.name).lower(), str(s.torch_name).lower()} & wanted]
+        if not specs and not scheds:
+            known = ", ".join([s.name for s in OPTIMIZERS] + [s.name for s in _scheduler_specs()])
+            raise ValueError(f"--only {', '.join(only)}: nothing by these names; known: {known}")
+    work: list[tuple[str, Any, dict[str, Any]]] = []
+    for spec in specs:
+        # a closure-driven optimizer compiles a whole minimisation per step: fewer quick rows
+        limit = 2 if getattr(spec, "closure", False) else 3
+        configs = quick_configs(spec.grid, limit) if quick else [dict(c) for c in spec.grid]
+        work += [("optimizer", spec, c) for c in configs]
+    for spec in scheds:
+        grid = list(getattr(spec, "grid", ({},)))
+        configs = quick_configs(grid, limit=2) if quick else [dict(c) for c in grid]
+        work += [("scheduler", spec, c) for c in configs]
+
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is a convenience: run without it
+        progress = False
+
+        def tqdm(*args, **kwargs):
+            return _NoBar()
+
+    t0 = time.perf_counter()
+    cache = _StepCache()
+    rows = []
+    bar = tqdm(total=len(work), disable=not progress, file=sys.stderr, unit="row", desc="parity")
+    for kind, spec, config in work:
+        bar.set_postfix_str(f"{spec.torch_name}", refresh=False)
+        if kind == "optimizer":
+            rows.append(_optimizer_row(spec, config, steps, cache, with_optax, rtol))
+        else:
+            rows.append(_scheduler_row(spec, config, steps, rtol))
+        bar.update()
+    bar.close()
+    return ParityResult(rows, steps, quick, rtol, _versions(), time.perf_counter() - t0)
+
+
+class _NoBar:
+    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def update(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    return f"{x:.2e}"
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in body)]
+
+
+def format_report(result: ParityResult) -> str:
+    """The two tables of the report as text (torch parity, then optax beside torch).
+
+    Args:
+      result: what ``run_parity`` returned.
+
+    Returns:
+      The report, ending with a one-line summary.
+    """
+    v = result.versions
+    rows = result.rows
+    lines = [
+        f"functorch_optim {v['functorch_optim']} vs torch {v['torch']} (foreach=False); jax {v['jax']}, "
+        f"optax {v['optax']}",
+        f"{result.steps} steps of random gradients on params {PARAM_SHAPES} (seed {SEED}); "
+        f"max relative error over all steps of params and state; config shows the "
+        f"arguments that differ from torch's defaults; tolerance "
+        f"{result.rtol['float64']:g} (float64), {result.rtol['float32']:g} (float32)"
+        + ("; quick subset" if result.quick else ""),
+        "",
+    ]
+    opt_rows = [r for r in rows if r.kind == "optimizer"]
+    sched_rows = [r for r in rows if r.kind == "scheduler"]
+    body = [
+        [r.name, _short_config(r.name, r.config), str(r.steps), _num(r.rel_f64), _num(r.rel_f32), r.verdict]
+        for r in opt_rows
+    ]
+    lines += _table(["optimizer", "config", "steps", "max rel err f64", "max rel err f32", "verdict"], body)
+    if sched_rows:
+        lines += [
+            "",
+            "learning-rate schedulers vs torch.optim.lr_scheduler (lr after each step, float64)",
+            "",
+        ]
+        body = [
+            [r.name, _short_config(r.name, r.config), str(r.steps), _num(r.rel_f64), r.verdict]
+            for r in sched_rows
+        ]
+        lines += _table(["scheduler", "config", "steps", "max rel err", "verdict"], body)
+    for r in rows:
+        if r.error:
+            lines.append(f"ERROR {r.name}({_short_config(r.name, r.config)}): {r.error}")
+    if any(r.optax is not None for r in opt_rows):
+        lines += ["", "optax's closest construction on the same steps (float64, params only)", ""]
+        body = [
+            [
+                r.name,
+                _short_config(r.name, r.config),
+                r.optax or "(none in optax)",
+                _num(r.optax_rel_f64),
+                "-"
+                if r.optax_rel_f64 is None
+                else ("same as torch" if r.optax_rel_f64 <= result.rtol["float64"] else "differs"),
+            ]
+            for r in opt_rows
+        ]
+        lines += _table(["optimizer", "config", "optax construction", "max rel err f64", "vs torch"], body)
+    s = result.summary()
+    lines += [
+        "",
+        f"{s['match']}/{s['rows']} rows match torch ({s['mismatch']} mismatch, {s['error']} error); "
+        f"optax's closest construction matches torch in {s['optax_exact']}/{s['optax_rows']}; "
+        f"{result.seconds:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``parity`` subcommand on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "parity",
+        help="compare every optimizer (and scheduler) with torch; exit 1 on any mismatch",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--quick", action="store_true", help="a few configs per optimizer, fewer steps")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="only these optimizers/schedulers")
+    p.add_argument("--steps", type=int, default=None, help="steps per row (default 50, quick 20)")
+    p.add_argument("--no-optax", action="store_true", help="skip optax's closest constructions")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cli)
+    return p
+
+
+def cli(args: argparse.Namespace) -> int:
+    """Run the ``parity`` subcommand; returns the exit status (1 on any mismatch)."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        result = run_parity(
+            quick=args.quick,
+            only=args.only,
+            steps=args.steps,
+            with_optax=not args.no_optax,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        print(f"functorch-optim parity: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(
+            f"functorch-optim parity: {exc}; the report runs torch: pip install 'functorch_optim[torch]'",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_report(result))
+    return 0 if result.ok else 1

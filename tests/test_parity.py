@@ -1,0 +1,291 @@
+"""The parity report (functorch_optim.parity) and its CLI (python -m functorch_optim parity)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import functorch_optim as fo
+from functorch_optim import parity
+from functorch_optim.__main__ import build_parser, main
+from functorch_optim._registry import OptimizerSpec, get_spec
+from functorch_optim.testing import compare_with_torch
+
+pytest.importorskip("torch")
+pytest.importorskip("tqdm")
+
+
+@pytest.fixture(scope="module")
+def quick_sgd():
+    """The quick report on SGD, through the CLI, as parsed JSON (run once per module)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["parity", "--quick", "--json", "--only", "sgd", "--no-progress"])
+    return code, json.loads(out.getvalue())
+
+
+def test_quick_sgd_report_numbers(quick_sgd):
+    code, report = quick_sgd
+    assert code == 0
+    assert report["ok"] is True and report["quick"] is True
+    assert report["steps"] == parity.QUICK_STEPS == 20
+    assert report["rtol"] == {"float64": 1e-10, "float32": 1e-5}
+    rows = report["rows"]
+    assert [r["name"] for r in rows] == ["SGD"] * 3
+    assert [r["config"] for r in rows] == parity.quick_configs(get_spec("sgd").grid)
+    for r in rows:
+        assert r["verdict"] == "match" and r["error"] is None
+        assert 0.0 <= r["rel_f64"] <= 1e-14
+        assert 0.0 <= r["rel_f32"] <= 1e-5
+    assert report["summary"] == {
+        "rows": 3,
+        "match": 3,
+        "mismatch": 0,
+        "error": 0,
+        "optax_rows": 3,
+        "optax_exact": 2,
+    }
+
+
+def test_quick_sgd_optax_column(quick_sgd):
+    _, report = quick_sgd
+    by_damp = {r["config"]["dampening"] > 0 and r["config"]["momentum"] > 0: r for r in report["rows"]}
+    damped = by_damp[True]
+    # optax has no dampening: it drifts away from torch from step 2 on
+    assert damped["optax"] == (
+        "optax.chain(optax.scale(-1.0), optax.add_decayed_weights(0.05), optax.sgd(0.1, momentum=0.9))"
+    )
+    assert damped["optax_rel_f64"] > 1e-2
+    others = [r for r in report["rows"] if r is not damped]
+    assert all(r["optax_rel_f64"] <= 1e-14 for r in others)
+
+
+def test_report_numbers_equal_an_independent_comparison(quick_sgd):
+    _, report = quick_sgd
+    row = report["rows"][1]
+    params, grads = parity._stream(report["steps"], np.float64)
+    direct = compare_with_torch("sgd", params, grads, **row["config"])
+    assert row["rel_f64"] == direct.max_rel
+    params32, grads32 = parity._stream(report["steps"], np.float32)
+    assert row["rel_f32"] == compare_with_torch("sgd", params32, grads32, **row["config"]).max_rel
+
+
+def _fake(name, override, grid):
+    return OptimizerSpec(name, lambda **kw: fo.sgd(**{**kw, **override}), "SGD", ("momentum_buffer",), grid)
+
+
+def test_mismatch_and_error_rows_exit_nonzero(monkeypatch, capsys):
+    specs = (
+        _fake("sgd_ok", {}, ({"lr": 0.1, "momentum": 0.9},)),
+        _fake("sgd_off", {"dampening": 0.1}, ({"lr": 0.1, "momentum": 0.9},)),
+        _fake("sgd_bad", {}, ({"lr": 0.1, "no_such_argument": 1.0},)),
+    )
+    monkeypatch.setattr(parity, "OPTIMIZERS", specs)
+    code = main(["parity", "--steps", "3", "--no-progress", "--no-optax", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["ok"] is False
+    rows = report["rows"]
+    assert [r["verdict"] for r in rows] == ["match", "MISMATCH", "ERROR"]
+    assert rows[0]["rel_f64"] <= 1e-15
+    # dampening 0.1 on one side: step 2's buffer differs by 0.1 * |g2|, far above tolerance
+    assert rows[1]["rel_f64"] > 1e-3 and rows[1]["rel_f32"] > 1e-3
+    assert "unexpected keyword argument 'no_such_argument'" in rows[2]["error"]
+    assert report["summary"] == {
+        "rows": 3,
+        "match": 1,
+        "mismatch": 1,
+        "error": 1,
+        "optax_rows": 0,
+        "optax_exact": 0,
+    }
+
+
+def test_text_report_tables():
+    rows = [
+        parity.ParityRow(
+            "optimizer",
+            "SGD",
+            {"lr": 0.1, "momentum": 0.0},
+            5,
+            0.0,
+            1e-7,
+            "match",
+            optax="optax.sgd(0.1)",
+            optax_rel_f64=0.0,
+        ),
+        parity.ParityRow(
+            "optimizer",
+            "SGD",
+            {"lr": 0.1, "momentum": 0.9, "dampening": 0.3},
+            5,
+            2e-3,
+            3e-3,
+            "MISMATCH",
+            optax="optax.sgd(0.1, momentum=0.9)",
+            optax_rel_f64=0.25,
+        ),
+        parity.ParityRow(
+            "optimizer",
+            "SGD",
+            {"lr": -1.0},
+            5,
+            None,
+            None,
+            "ERROR",
+            error="ValueError: Invalid learning rate: -1.0",
+        ),
+    ]
+    versions = {"functorch_optim": "0.1.0", "torch": "2.13.0", "jax": "0.10.2", "optax": "0.2.8"}
+    result = parity.ParityResult(rows, 5, True, dict(parity.DEFAULT_RTOL), versions, 1.25)
+    text = parity.format_report(result)
+    lines = text.splitlines()
+    assert lines[0].startswith("functorch_optim 0.1.0 vs torch 2.13.0 (foreach=False)")
+    headers = [line.split("  ") for line in lines if line.startswith("optimizer  ")]
+    assert [[h.strip() for h in hs if h.strip()] for hs in headers] == [
+        ["optimizer", "config", "steps", "max rel err f64", "max rel err f32", "verdict"],
+        ["optimizer", "config", "optax construction", "max rel err f64", "vs torch"],
+    ]
+    row_lines = [line.split() for line in lines if line.startswith("SGD ")]
+    # defaults are left out of the config column (momentum=0.0 is torch's default)
+    assert row_lines[0] == ["SGD", "lr=0.1", "5", "0", "1.00e-07", "match"]
+    assert row_lines[1][-3:] == ["2.00e-03", "3.00e-03", "MISMATCH"]
+    assert row_lines[2] == ["SGD", "lr=-1.0", "5", "-", "-", "ERROR"]
+    assert "ERROR SGD(lr=-1.0): ValueError: Invalid learning rate: -1.0" in lines
+    assert row_lines[3] == ["SGD", "lr=0.1", "optax.sgd(0.1)", "0", "same", "as", "torch"]
+    assert row_lines[4][-2:] == ["2.50e-01", "differs"]
+    assert row_lines[5] == ["SGD", "lr=-1.0", "(none", "in", "optax)", "-", "-"]
+    assert lines[-1] == (
+        "1/3 rows match torch (1 mismatch, 1 error); optax's closest construction matches torch in 1/2; 1.2 s"
+    )
+    assert result.ok is False
+
+
+def test_compiled_steps_are_shared_without_changing_numbers():
+    spec = get_spec("sgd")
+    configs = [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.01, "momentum": 0.5, "dampening": 0.3}]
+    cache = parity._StepCache()
+    rows = [parity._optimizer_row(spec, c, 5, cache, False, parity.DEFAULT_RTOL) for c in configs]
+    assert len(cache.fns) == 1  # one structure (momentum buffer, no nesterov/maximize)
+    params, grads = parity._stream(5, np.float64)
+    for row, c in zip(rows, configs, strict=True):
+        assert row.rel_f64 == compare_with_torch("sgd", params, grads, **c).max_rel
+
+
+def test_quick_configs_cover_every_value():
+    grid = get_spec("sgd").grid
+    chosen = parity.quick_configs(grid)
+    assert len(chosen) == 3
+    for key in grid[0]:
+        assert {repr(c[key]) for c in chosen} == {repr(c[key]) for c in grid}, key
+    assert parity.quick_configs([]) == []
+    assert parity.quick_configs(grid, limit=1) == [dict(grid[0])]
+
+
+def test_optax_closest_constructions_are_valid_optax():
+    import jax.numpy as jnp
+
+    configs = {
+        "SGD": {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+        "Adam": {"lr": 0.1, "amsgrad": True, "weight_decay": 0.1, "decoupled_weight_decay": True},
+        "AdamW": {"lr": 0.1},
+        "Adagrad": {"lr": 0.1, "lr_decay": 0.01},
+        "RMSprop": {"lr": 0.1, "momentum": 0.9, "centered": True},
+        "Adadelta": {"weight_decay": 0.1},
+        "Adamax": {},
+        "NAdam": {"decoupled_weight_decay": True, "weight_decay": 0.1},
+        "RAdam": {"decoupled_weight_decay": True, "weight_decay": 0.1},
+        "Rprop": {"etas": (0.4, 1.3)},
+        "ASGD": {"maximize": True},
+    }
+    assert set(configs) == set(parity.OPTAX_CLOSEST)
+    params = {"w": jnp.ones(2)}
+    for name, config in configs.items():
+        text, tx = parity.OPTAX_CLOSEST[name](config)
+        assert text.startswith("optax."), name
+        tx.init(params)
+    # a chain that must keep torch's order: negate, then L2, then the optimizer
+    text, tx = parity.OPTAX_CLOSEST["SGD"]({"lr": 0.5, "weight_decay": 0.1, "maximize": True})
+    assert text == "optax.chain(optax.scale(-1.0), optax.add_decayed_weights(0.1), optax.sgd(0.5))"
+    updates, _ = tx.update({"w": jnp.full(2, 2.0)}, tx.init(params), params)
+    assert updates["w"].tolist() == [-0.5 * (-2.0 + 0.1)] * 2
+
+
+def test_parser_has_the_parity_subcommand():
+    args = build_parser().parse_args(["parity", "--quick", "--json"])
+    assert args.command == "parity" and args.quick and args.json and args.func is parity.cli
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+
+
+def test_unknown_only_name_exits_2(capsys):
+    assert main(["parity", "--only", "nope", "--no-progress"]) == 2
+    assert "nothing by these names; known: sgd" in capsys.readouterr().err
+
+
+def _step_lr(lr, step_size, gamma=0.1):
+    """StepLR in closed form, ``count -> lr``."""
+    return lambda count: lr * gamma ** (int(count) // step_size)
+
+
+class _Values:
+    def __init__(self, lr, gamma):
+        self.lr, self.gamma = lr, gamma
+
+    def values(self, n):
+        out = [self.lr]
+        for _ in range(n):
+            out.append(out[-1] * self.gamma)
+        return np.asarray(out)
+
+
+def _exponential_lr(gamma, *, lr):
+    """ExponentialLR with ``lr`` keyword-only (like one_cycle_lr) and a ``values`` method."""
+    return _Values(lr, gamma)
+
+
+def test_scheduler_rows(monkeypatch):
+    specs = [
+        parity.SchedulerSpec("StepLR", _step_lr, ({"step_size": 3, "gamma": 0.5},)),
+        parity.SchedulerSpec("ExponentialLR", _exponential_lr, ({"gamma": 0.9},)),
+        parity.SchedulerSpec("ExponentialLR", lambda lr, gamma: _Values(lr, gamma * 1.01), ({"gamma": 0.9},)),
+    ]
+    monkeypatch.setattr(parity, "_scheduler_specs", lambda: specs)
+    result = parity.run_parity(only=["ExponentialLR", "StepLR"], steps=12, progress=False)
+    assert [r.kind for r in result.rows] == ["scheduler"] * 3
+    assert [r.verdict for r in result.rows] == ["match", "match", "MISMATCH"]
+    assert result.rows[0].rel_f64 <= 1e-15 and result.rows[1].rel_f64 <= 1e-15
+    # gamma * 1.01: lr_t is 0.1 * 0.9**t * 1.01**t against torch's 0.1 * 0.9**t; scale 0.1
+    expected = max(0.9**t * (1.01**t - 1) for t in range(13))
+    assert result.rows[2].rel_f64 == pytest.approx(expected, rel=1e-9)
+    text = parity.format_report(result)
+    assert "learning-rate schedulers vs torch.optim.lr_scheduler" in text
+    assert [line.split()[:2] for line in text.splitlines() if line.startswith("StepLR")] == [
+        ["StepLR", "step_size=3,"]
+    ]
+
+
+def test_scheduler_grid_is_valid_for_torch():
+    import torch
+
+    for name, (factory_name, grid) in parity.SCHEDULER_GRID.items():
+        assert factory_name.islower()
+        for config in grid:
+            lrs = parity._torch_lrs(name, config, 0.1, 3)
+            assert len(lrs) == 4 and all(np.isfinite(lrs)), name
+    assert hasattr(torch.optim.lr_scheduler, "OneCycleLR")
+
+
+def test_schedulers_are_picked_up_when_the_module_exists():
+    import importlib.util
+
+    specs = parity._scheduler_specs()
+    if importlib.util.find_spec("functorch_optim.schedules") is None:
+        assert specs == []
+    else:
+        assert {s.torch_name for s in specs} <= set(parity.SCHEDULER_GRID) | {s.torch_name for s in specs}
+        assert specs
