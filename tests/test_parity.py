@@ -86,6 +86,7 @@ def test_mismatch_and_error_rows_exit_nonzero(monkeypatch, capsys):
         _fake("sgd_bad", {}, ({"lr": 0.1, "no_such_argument": 1.0},)),
     )
     monkeypatch.setattr(parity, "OPTIMIZERS", specs)
+    monkeypatch.setattr(parity, "_scheduler_specs", list)  # optimizer rows only
     code = main(["parity", "--steps", "3", "--no-progress", "--no-optax", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["ok"] is False
