@@ -49,8 +49,15 @@ ADAM_LR = 1e-3
 #: bytes moved per float32 parameter: read p, g, buf / write p, buf (SGD); read p, g, m, v /
 #: write p, m, v (Adam); read acc, g / write acc (micro-step); read a, b / write a (ceiling).
 BYTES_PER_PARAM = {"sgd": 20, "adam": 28, "micro": 12, "ceiling": 12}
-FULL_CASES = ((1_000_000, 1), (1_000_000, 200), (10_000_000, 1), (10_000_000, 200), (50_000_000, 1),
-              (50_000_000, 200), (100_000, 100))  # fmt: skip
+FULL_CASES = (
+    (1_000_000, 1),
+    (1_000_000, 200),
+    (10_000_000, 1),
+    (10_000_000, 200),
+    (50_000_000, 1),
+    (50_000_000, 200),
+    (100_000, 100),
+)
 QUICK_CASES = ((100_000, 1), (100_000, 20), (10_000, 10))
 FULL_COMPILE_LEAVES = (10, 100, 1000)
 QUICK_COMPILE_LEAVES = (10, 30)
@@ -110,7 +117,9 @@ def peak_memory_units(compiled: Any, param_bytes: int) -> float | None:
         return None
     if ma is None:
         return None
-    live = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    live = (
+        ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    )
     return live / param_bytes
 
 
@@ -202,7 +211,9 @@ def ceiling_contenders(n_params: int, torch: Any) -> list[Contender]:
         ta = torch.full((n_params,), 0.5)
         tb = torch.full((n_params,), 0.25)
         out.append(
-            Contender("ceiling torch", lambda: ta.add_(tb, alpha=1e-3), bytes_per_param=BYTES_PER_PARAM["ceiling"])
+            Contender(
+                "ceiling torch", lambda: ta.add_(tb, alpha=1e-3), bytes_per_param=BYTES_PER_PARAM["ceiling"]
+            )
         )
     return out
 
@@ -214,7 +225,7 @@ def torch_contenders(kind: str, np_leaves, np_grads, torch: Any) -> list[Contend
     grads = [torch.from_numpy(g) for g in np_grads]  # shared, read-only for both optimizers
     for flavour in ("foreach", "fused"):
         params = [torch.tensor(x) for x in np_leaves]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         flags = {"foreach": True} if flavour == "foreach" else {"fused": True}
         if kind == "sgd":
@@ -275,14 +286,22 @@ def bench_steps(kind: str, cases, reps: int, log: Callable[[str], None]) -> list
         else:
             fo_tx, opt_tx = fo_adam(), optax.adam(ADAM_LR)
         if fo_tx is not None:
-            contenders.append(jax_contender("functorch_optim", fo_step_fn(fo_tx), fo_tx.init, np_leaves, grads,
-                                            nbytes, kind))  # fmt: skip
-        contenders.append(jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes,
-                                        kind))  # fmt: skip
+            contenders.append(
+                jax_contender(
+                    "functorch_optim", fo_step_fn(fo_tx), fo_tx.init, np_leaves, grads, nbytes, kind
+                )
+            )
+        contenders.append(
+            jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes, kind)
+        )
         contenders += torch_contenders(kind, np_leaves, np_grads, torch)
         timings = time_round_robin(contenders, reps)
-        row = {"algorithm": kind, "params": n_params, "leaves": n_leaves, **_summarise(contenders, timings,
-               n_params, kind)}  # fmt: skip
+        row = {
+            "algorithm": kind,
+            "params": n_params,
+            "leaves": n_leaves,
+            **_summarise(contenders, timings, n_params, kind),
+        }
         t = row["times_ms"]
         row["ratios"] = {
             "fo/torch fused": _ratio(t, "functorch_optim", "torch fused"),
@@ -308,8 +327,11 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None]) -> list[dict[
         contenders = ceiling_contenders(n_params, torch)
 
         micro_tx = fo.grad_accumulate(fo_sgd(), every=NEVER)
-        contenders.append(jax_contender("fo micro-step", fo_step_fn(micro_tx), micro_tx.init, np_leaves, grads,
-                                        nbytes, "micro"))  # fmt: skip
+        contenders.append(
+            jax_contender(
+                "fo micro-step", fo_step_fn(micro_tx), micro_tx.init, np_leaves, grads, nbytes, "micro"
+            )
+        )
 
         acc = {"acc": jax_tree([np.zeros_like(x) for x in np_leaves])}
         add = jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0)
@@ -319,30 +341,65 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None]) -> list[dict[
             acc["acc"] = add_compiled(acc["acc"], grads)
             jax.block_until_ready(acc["acc"])
 
-        contenders.append(Contender("bare acc+g", run_add, bytes_per_param=BYTES_PER_PARAM["micro"],
-                                    memory=peak_memory_units(add_compiled, nbytes)))  # fmt: skip
+        contenders.append(
+            Contender(
+                "bare acc+g",
+                run_add,
+                bytes_per_param=BYTES_PER_PARAM["micro"],
+                memory=peak_memory_units(add_compiled, nbytes),
+            )
+        )
 
         multi = optax.MultiSteps(optax_sgd(), every_k_schedule=NEVER)
-        contenders.append(jax_contender("optax MultiSteps micro-step", optax_step_fn(multi), multi.init,
-                                        np_leaves, grads, nbytes, "micro"))  # fmt: skip
+        contenders.append(
+            jax_contender(
+                "optax MultiSteps micro-step",
+                optax_step_fn(multi),
+                multi.init,
+                np_leaves,
+                grads,
+                nbytes,
+                "micro",
+            )
+        )
 
         # the window's optimizer step: one untimed micro-step, then the timed stepping call
         window_tx = fo.grad_accumulate(fo_sgd(), every=2)
-        window = JaxStepper(fo_step_fn(window_tx), jax_tree(np_leaves), grads, window_tx.init(jax_tree(np_leaves)),
-                            nbytes)  # fmt: skip
-        contenders.append(Contender("fo window step", window, prepare=window, bytes_per_param=BYTES_PER_PARAM["sgd"],
-                                    memory=window.memory))  # fmt: skip
+        window = JaxStepper(
+            fo_step_fn(window_tx), jax_tree(np_leaves), grads, window_tx.init(jax_tree(np_leaves)), nbytes
+        )
+        contenders.append(
+            Contender(
+                "fo window step",
+                window,
+                prepare=window,
+                bytes_per_param=BYTES_PER_PARAM["sgd"],
+                memory=window.memory,
+            )
+        )
         plain_tx = fo_sgd()
-        contenders.append(jax_contender("fo plain step", fo_step_fn(plain_tx), plain_tx.init, np_leaves, grads,
-                                        nbytes, "sgd"))  # fmt: skip
+        contenders.append(
+            jax_contender(
+                "fo plain step", fo_step_fn(plain_tx), plain_tx.init, np_leaves, grads, nbytes, "sgd"
+            )
+        )
         if torch is not None:
             t_acc = [torch.zeros(x.shape) for x in np_leaves]
             t_grads = [torch.from_numpy(g) for g in np_grads]
-            contenders.append(Contender("torch grad.add_", lambda t_acc=t_acc, t_grads=t_grads:
-                                        torch._foreach_add_(t_acc, t_grads), bytes_per_param=BYTES_PER_PARAM["micro"]))  # fmt: skip
+            contenders.append(
+                Contender(
+                    "torch grad.add_",
+                    lambda t_acc=t_acc, t_grads=t_grads: torch._foreach_add_(t_acc, t_grads),
+                    bytes_per_param=BYTES_PER_PARAM["micro"],
+                )
+            )
         timings = time_round_robin(contenders, reps)
-        row = {"algorithm": "grad_accumulate(sgd)", "params": n_params, "leaves": n_leaves,
-               **_summarise(contenders, timings, n_params, "micro")}  # fmt: skip
+        row = {
+            "algorithm": "grad_accumulate(sgd)",
+            "params": n_params,
+            "leaves": n_leaves,
+            **_summarise(contenders, timings, n_params, "micro"),
+        }
         t = row["times_ms"]
         row["ratios"] = {
             "fo micro/bare acc+g": _ratio(t, "fo micro-step", "bare acc+g"),
@@ -371,7 +428,10 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
             "fo sgd": (fo_sgd(), fo_step_fn),
             "optax sgd": (optax_sgd(), optax_step_fn),
             "fo grad_accumulate": (fo.grad_accumulate(fo_sgd(), every=ACCUMULATE_EVERY), fo_step_fn),
-            "optax MultiSteps": (optax.MultiSteps(optax_sgd(), every_k_schedule=ACCUMULATE_EVERY), optax_step_fn),
+            "optax MultiSteps": (
+                optax.MultiSteps(optax_sgd(), every_k_schedule=ACCUMULATE_EVERY),
+                optax_step_fn,
+            ),
         }
         adam = fo_adam()
         if adam is not None:
@@ -418,7 +478,8 @@ def markdown(result: dict[str, Any]) -> str:
             t, f, m = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"]
             pct = lambda k, f=f: _fmt(100 * f[k], ".0f") if k in f else "—"
             lines.append(
-                f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} | {_fmt(t.get('functorch_optim'))} "
+                f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} "
+                f"| {_fmt(t.get('functorch_optim'))} "
                 f"| {_fmt(t.get('optax'))} | {_fmt(t.get('torch foreach'))} | {_fmt(t.get('torch fused'))} "
                 f"| {_fmt(r['ratios']['fo/torch fused'])} | {_fmt(r['ratios']['fo/optax'])} "
                 f"| {_fmt(r['gbps'].get('functorch_optim'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
@@ -428,8 +489,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     if result.get("accumulate"):
         lines += [
-            f"### grad_accumulate(sgd), float32 (median ms; window of {ACCUMULATE_EVERY} for compile, 2 for the "
-            "window step)",
+            "### grad_accumulate(sgd), float32 (median ms; the window step closes a window of 2)",
             "",
             "| params | leaves | fo micro-step | bare acc+g | MultiSteps micro-step | torch grad.add_ "
             "| fo / bare | MultiSteps / fo | fo window step | fo plain step | window / plain "
@@ -484,7 +544,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    for ax, panel in zip(axes[0], panels, strict=False):
         if panel == "steps":
             names = ["functorch_optim", "optax", "torch foreach", "torch fused"]
             labels = [f"{r['algorithm']} {_size(r['params'])}×{r['leaves']}" for r in steps]
@@ -494,7 +554,9 @@ def plot(result: dict[str, Any], path: str) -> None:
                 ax.bar(np.arange(len(steps)) + i * width, vals, width, label=name)
             ax.axhline(100, color="k", lw=0.8, ls="--")
             ax.axhline(85, color="grey", lw=0.8, ls=":")
-            ax.set_xticks(np.arange(len(steps)) + 0.4 - width / 2, labels, rotation=60, ha="right", fontsize=7)
+            ax.set_xticks(
+                np.arange(len(steps)) + 0.4 - width / 2, labels, rotation=60, ha="right", fontsize=7
+            )
             ax.set_ylabel("% of in-place bandwidth ceiling")
             ax.set_title("optimizer step (float32)")
         elif panel == "accumulate":
@@ -513,7 +575,9 @@ def plot(result: dict[str, Any], path: str) -> None:
         else:
             rows = result["compile"]
             for name in rows[0]["seconds"]:
-                ax.plot([r["leaves"] for r in rows], [r["seconds"][name] for r in rows], marker="o", label=name)
+                ax.plot(
+                    [r["leaves"] for r in rows], [r["seconds"][name] for r in rows], marker="o", label=name
+                )
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("leaves")
@@ -555,7 +619,8 @@ def run(
             "quick": quick,
             "dtype": "float32",
             "load_before": [round(x, 2) for x in os.getloadavg()],
-            "command": "python -m functorch_optim bench " + " ".join(sys.argv[2:] if "bench" in sys.argv else []),
+            "command": "python -m functorch_optim bench "
+            + " ".join(sys.argv[2:] if "bench" in sys.argv else []),
         }
     }
     for kind in ("sgd", "adam"):
@@ -574,10 +639,15 @@ def run(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes and few reps (a smoke test)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="what to run (default: all)")  # fmt: skip
-    parser.add_argument("--sizes", nargs="+", metavar="PARAMSxLEAVES",
-                        help="cases like 1e7x1 1e7x200 (default: the issue's grid)")  # fmt: skip
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run (default: all)"
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="PARAMSxLEAVES",
+        help="cases like 1e7x1 1e7x200 (default: the issue's grid)",
+    )
     parser.add_argument("--compile-leaves", nargs="+", type=int, help="leaf counts for compile times")
     parser.add_argument("--reps", type=int, help="timed reps per contender (default 9; 5 with --quick)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
