@@ -6,6 +6,7 @@
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
 from functorch_optim._base import TorchState, apply_updates, step
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._jit import jit_step
 from functorch_optim._sgd import sgd
 
 __version__ = "0.1.0"
@@ -17,6 +18,7 @@ __all__ = [
     "apply_updates",
     "get_hparams",
     "grad_accumulate",
+    "jit_step",
     "set_hparams",
     "sgd",
     "step",
