@@ -592,6 +592,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
+def _cli_args() -> list[str]:
+    args = sys.argv[1:]
+    return args[1:] if args[:1] == ["bench"] else args
+
+
 def run(
     sections: Sequence[str] = SECTIONS,
     quick: bool = False,
@@ -619,8 +624,7 @@ def run(
             "quick": quick,
             "dtype": "float32",
             "load_before": [round(x, 2) for x in os.getloadavg()],
-            "command": "python -m functorch_optim bench "
-            + " ".join(sys.argv[2:] if "bench" in sys.argv else []),
+            "command": " ".join(["python -m functorch_optim bench", *_cli_args()]),
         }
     }
     for kind in ("sgd", "adam"):
@@ -654,6 +658,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", default="bench.png", help="plot file (default bench.png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
     parser.add_argument("--markdown", metavar="PATH", help="also write the markdown tables to a file")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="PATH",
+        help="measure nothing: merge these result files (e.g. one per section) into tables and a plot",
+    )
 
 
 def _parse_case(text: str) -> tuple[int, int]:
@@ -661,10 +671,31 @@ def _parse_case(text: str) -> tuple[int, int]:
     return int(float(params)), int(leaves or 1)
 
 
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs (e.g. one per section); meta from the first, load and
+    wall time over all."""
+    out: dict[str, Any] = {"meta": dict(results[0]["meta"])}
+    for r in results:
+        for key, rows in r.items():
+            if key != "meta":
+                out.setdefault(key, []).extend(rows)
+    out["meta"]["load_after"] = results[-1]["meta"]["load_after"]
+    out["meta"]["wall_s"] = sum(r["meta"]["wall_s"] for r in results)
+    out["meta"]["runs"] = [r["meta"].get("command") for r in results]
+    return out
+
+
 def run_cli(args: argparse.Namespace) -> int:
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
     cases = [_parse_case(s) for s in args.sizes] if args.sizes else None
-    result = run(args.sections, args.quick, args.reps, cases, args.compile_leaves, log)
+    if args.from_json:
+        parts = []
+        for path in args.from_json:
+            with open(path) as fh:
+                parts.append(json.load(fh))
+        result = merge(parts)
+    else:
+        result = run(args.sections, args.quick, args.reps, cases, args.compile_leaves, log)
     table = markdown(result)
     print(table)
     if args.markdown:
