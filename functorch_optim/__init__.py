@@ -5,6 +5,7 @@
 
 from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
 from functorch_optim._base import TorchState, apply_updates, step
+from functorch_optim._flat import ravel_by_dtype
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
 from functorch_optim._jit import jit_step
 from functorch_optim._sgd import sgd
@@ -19,6 +20,7 @@ __all__ = [
     "get_hparams",
     "grad_accumulate",
     "jit_step",
+    "ravel_by_dtype",
     "set_hparams",
     "sgd",
     "step",
