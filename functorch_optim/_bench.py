@@ -294,6 +294,20 @@ def bench_steps(kind: str, cases, reps: int, log: Callable[[str], None]) -> list
         contenders.append(
             jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes, kind)
         )
+        if fo_tx is not None and n_leaves > 1:
+            # the same step on the flat layout: one buffer for all leaves (ravel_by_dtype)
+            flat_params = [np.concatenate(np_leaves)]
+            flat_grads = {"float32": jnp.asarray(np.concatenate(np_grads))}
+            stepper = JaxStepper(
+                fo_step_fn(fo_tx),
+                {"float32": jnp.asarray(flat_params[0])},
+                flat_grads,
+                fo_tx.init({"float32": jnp.asarray(flat_params[0])}),
+                nbytes,
+            )
+            contenders.append(
+                Contender("fo flat", stepper, bytes_per_param=BYTES_PER_PARAM[kind], memory=stepper.memory)
+            )
         contenders += torch_contenders(kind, np_leaves, np_grads, torch)
         timings = time_round_robin(contenders, reps)
         row = {
@@ -308,6 +322,7 @@ def bench_steps(kind: str, cases, reps: int, log: Callable[[str], None]) -> list
             "fo/optax": _ratio(t, "functorch_optim", "optax"),
             "fo/torch foreach": _ratio(t, "functorch_optim", "torch foreach"),
             "optax/torch fused": _ratio(t, "optax", "torch fused"),
+            "fo flat/torch fused": _ratio(t, "fo flat", "torch fused"),
         }
         rows.append(row)
         del contenders, grads
@@ -440,11 +455,16 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
         row: dict[str, Any] = {"leaves": n_leaves, "leaf_size": leaf_size, "seconds": {}}
         for name, (tx, make) in candidates.items():
             row["seconds"][name] = _compile_seconds(make(tx), params, grads, tx.init(params))
+        # the flat layout: the step sees one buffer whatever the number of leaves
+        flat, _ = fo.ravel_by_dtype(params)
+        tx = fo_sgd()
+        row["seconds"]["fo sgd flat"] = _compile_seconds(fo_step_fn(tx), flat, flat, tx.init(flat))
         s = row["seconds"]
         row["ratios"] = {
             "fo sgd/optax sgd": _ratio(s, "fo sgd", "optax sgd"),
             "fo grad_accumulate/optax MultiSteps": _ratio(s, "fo grad_accumulate", "optax MultiSteps"),
             "fo adam/optax adam": _ratio(s, "fo adam", "optax adam"),
+            "fo sgd flat/optax sgd": _ratio(s, "fo sgd flat", "optax sgd"),
         }
         rows.append(row)
         gc.collect()
@@ -469,19 +489,20 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### Optimizer step, float32 (median ms; % of the in-place ceiling measured in the same row)",
             "",
-            "| step | params | leaves | functorch_optim | optax | torch foreach | torch fused "
-            "| fo / fused | fo / optax | fo GB/s | ceiling GB/s | fo % | optax % | fused % | peak fo ×P "
-            "| peak optax ×P |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| step | params | leaves | functorch_optim | fo flat | optax | torch foreach | torch fused "
+            "| fo / fused | fo / optax | fo flat / fused | fo GB/s | ceiling GB/s | fo % | optax % | fused % "
+            "| peak fo ×P | peak optax ×P |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in steps:
             t, f, m = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"]
             pct = lambda k, f=f: _fmt(100 * f[k], ".0f") if k in f else "—"
             lines.append(
                 f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} "
-                f"| {_fmt(t.get('functorch_optim'))} "
+                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo flat'))} "
                 f"| {_fmt(t.get('optax'))} | {_fmt(t.get('torch foreach'))} | {_fmt(t.get('torch fused'))} "
                 f"| {_fmt(r['ratios']['fo/torch fused'])} | {_fmt(r['ratios']['fo/optax'])} "
+                f"| {_fmt(r['ratios'].get('fo flat/torch fused'))} "
                 f"| {_fmt(r['gbps'].get('functorch_optim'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
                 f"| {pct('functorch_optim')} | {pct('optax')} | {pct('torch fused')} "
                 f"| {_fmt(m.get('functorch_optim'))} | {_fmt(m.get('optax'))} |"
@@ -513,15 +534,16 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### Compile time (trace + XLA compile, seconds)",
             "",
-            "| leaves | " + " | ".join(names) + " | fo / optax sgd | fo / MultiSteps |",
-            "|---|" + "---|" * (len(names) + 2),
+            "| leaves | " + " | ".join(names) + " | fo / optax sgd | fo flat / optax sgd | fo / MultiSteps |",
+            "|---|" + "---|" * (len(names) + 3),
         ]
         for r in result["compile"]:
             s, q = r["seconds"], r["ratios"]
             lines.append(
                 f"| {r['leaves']} | "
                 + " | ".join(_fmt(s[n]) for n in names)
-                + f" | {_fmt(q['fo sgd/optax sgd'])} | {_fmt(q['fo grad_accumulate/optax MultiSteps'])} |"
+                + f" | {_fmt(q['fo sgd/optax sgd'])} | {_fmt(q.get('fo sgd flat/optax sgd'))} "
+                + f"| {_fmt(q['fo grad_accumulate/optax MultiSteps'])} |"
             )
         lines.append("")
     meta = result["meta"]
@@ -546,7 +568,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=False):
         if panel == "steps":
-            names = ["functorch_optim", "optax", "torch foreach", "torch fused"]
+            names = ["functorch_optim", "fo flat", "optax", "torch foreach", "torch fused"]
             labels = [f"{r['algorithm']} {_size(r['params'])}×{r['leaves']}" for r in steps]
             width = 0.8 / len(names)
             for i, name in enumerate(names):
