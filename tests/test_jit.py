@@ -12,6 +12,7 @@ import pytest
 
 import functorch_optim as fo
 from functorch_optim._jit import aliased_parameters, unaliased_paths
+from functorch_optim._registry import OPTIMIZERS
 
 
 def _params():
@@ -35,8 +36,11 @@ TRANSFORMS = {
     "accumulate-sgd": lambda: fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2), every=3),
     "accumulate-optax": lambda: fo.grad_accumulate(optax.sgd(0.1, momentum=0.9), every=2),
 }
-if hasattr(fo, "adam"):
-    TRANSFORMS["adam"] = lambda: fo.adam(lr=1e-3)
+# every registered optimizer, over a spread of its configuration grid
+for _spec in OPTIMIZERS:
+    for _config in _spec.grid[:: max(1, len(_spec.grid) // 4)]:
+        _id = _spec.name + "-" + "-".join(f"{k}={v}" for k, v in sorted(_config.items()))
+        TRANSFORMS[_id] = lambda spec=_spec, config=_config: spec.factory(**config)
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
