@@ -9,7 +9,13 @@ Examples::
 See ``functorch_optim/_bench.py`` for what is measured and how.
 """
 
+import pathlib
 import sys
+
+try:
+    import functorch_optim  # noqa: F401
+except ImportError:  # run from a checkout without installing: use the checkout's package
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from functorch_optim._bench import main
 
