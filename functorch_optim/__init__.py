@@ -31,7 +31,9 @@ from functorch_optim._clip import (
     clip_grads_with_norm,
     get_total_norm,
 )
+from functorch_optim._flat import ravel_by_dtype
 from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._jit import jit_step
 from functorch_optim._nadam import nadam
 from functorch_optim._nonfinite import SkipNonfiniteState, all_finite, skip_nonfinite
 from functorch_optim._radam import radam
@@ -85,12 +87,14 @@ __all__ = [
     "get_swa_multi_avg_fn",
     "get_total_norm",
     "grad_accumulate",
+    "jit_step",
     "lbfgs",
     "lbfgs_step",
     "muon",
     "nadam",
     "optim",
     "radam",
+    "ravel_by_dtype",
     "rmsprop",
     "rprop",
     "schedules",

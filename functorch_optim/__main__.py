@@ -15,6 +15,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("functorch_optim.parity", "add_parser"),
     ("functorch_optim._demo", "add_parser"),
+    ("functorch_optim._bench", "add_parser"),
 ]
 
 

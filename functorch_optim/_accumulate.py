@@ -20,11 +20,13 @@ class GradAccumulateState(NamedTuple):
     Attributes:
       mini_step: micro-steps accumulated in the current window (int32, ``0..every-1``).
       gradient_step: optimizer steps taken by the inner transformation (int32).
-      acc_grads: the running sum of gradients, one array per parameter, in at least
-        float32 (bfloat16 and float16 gradients are summed in float32).
-      has_grad: per parameter, whether any gradient arrived in the current window
-        (boolean scalars); a parameter without one is skipped like torch's
-        ``p.grad is None``.
+      acc_grads: the running sum of the window's gradients, one array per parameter, in
+        at least float32 (bfloat16 and float16 gradients are summed in float32). After
+        a step it still holds the sum of the window just closed; the next call starts
+        the new window by overwriting it (no separate pass clears it).
+      has_grad: per parameter, whether any gradient arrived in the window (boolean
+        scalars); a parameter without one is skipped like torch's ``p.grad is None``.
+        Like ``acc_grads``, it describes the closed window right after a step.
       inner_state: the wrapped transformation's state; it moves only on steps.
     """
 
@@ -118,11 +120,22 @@ def grad_accumulate(
         )
 
     def accumulate(grads, state):
-        acc = jax.tree.map(
-            lambda g, a: a if g is None else a + g.astype(a.dtype), grads, state.acc_grads, is_leaf=is_none
-        )
+        # A window opens (mini_step == 0) by overwriting the sum, so one in-place pass per
+        # call is all a micro-step costs, and the step never has to write zeros back.
+        fresh = state.mini_step == 0
+
+        def add(g, a):
+            if g is None:
+                return jnp.where(fresh, jnp.zeros_like(a), a)
+            g = g.astype(a.dtype)
+            return jnp.where(fresh, g, a + g)
+
+        acc = jax.tree.map(add, grads, state.acc_grads, is_leaf=is_none)
         seen = jax.tree.map(
-            lambda g, h: h if g is None else jnp.ones((), bool), grads, state.has_grad, is_leaf=is_none
+            lambda g, h: (h & ~fresh) if g is None else jnp.ones((), bool),
+            grads,
+            state.has_grad,
+            is_leaf=is_none,
         )
         return acc, seen
 
@@ -130,9 +143,6 @@ def grad_accumulate(
         if reduction == "mean" and every > 1:
             acc = jax.tree.map(lambda a: a / every, acc)
         return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-
-    def reset(acc, seen):
-        return jax.tree.map(jnp.zeros_like, acc), jax.tree.map(jnp.zeros_like, seen)
 
     def inner_kwargs(seen, extra_args):
         return {**extra_args, "grad_mask": seen} if extra_ok else {}
@@ -164,12 +174,14 @@ def grad_accumulate(
             updates = jax.tree.map(
                 lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
             )
-            return (updates, *reset(acc, seen), inner)
+            return updates, inner
 
         def skip(acc, seen, inner):
-            return (jax.tree.map(jnp.zeros_like, params), acc, seen, inner)
+            return jax.tree.map(jnp.zeros_like, params), inner
 
-        updates, acc, seen, inner = branch(stepping, do_step, skip, acc, seen, state.inner_state)
+        # acc and seen are read by the branches, never returned by them: a conditional's
+        # outputs that XLA cannot alias to its operands cost a copy per call
+        updates, inner = branch(stepping, do_step, skip, acc, seen, state.inner_state)
         updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
         return updates, advance(state, stepping, acc, seen, inner)
 
@@ -184,12 +196,12 @@ def grad_accumulate(
                 params, inner = inner_step(params, mean_grads(acc, params), inner, **kwargs)
             else:
                 params, inner = _step(tx, params, mean_grads(acc, params), inner, **kwargs)
-            return (params, *reset(acc, seen), inner)
+            return params, inner
 
         def skip(params, acc, seen, inner):
-            return params, acc, seen, inner
+            return params, inner
 
-        params, acc, seen, inner = branch(stepping, do_step, skip, params, acc, seen, state.inner_state)
+        params, inner = branch(stepping, do_step, skip, params, acc, seen, state.inner_state)
         return params, advance(state, stepping, acc, seen, inner)
 
     setattr(update, STEP_ATTR, step_fn)

@@ -163,7 +163,9 @@ def make_optimizer(
             if g is None:
                 out_p, out = p, old
             else:
-                step = old["step"] + 1
+                # materialized once and read by the fusions: reading the old count in them
+                # would make XLA copy it before overwriting it in place
+                step = jax.lax.optimization_barrier(old["step"] + 1)
                 bufs = {n: v for n, v in old.items() if n != "step"}
                 out_p, out = algorithm.step_leaf(p, g, bufs, step, hp, static)
                 out = {"step": step, **out}

@@ -42,29 +42,41 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     def c(x):
         return jnp.asarray(x).astype(ct)
 
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
     wd = hp["weight_decay"]
-    # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
-    grad = jnp.where(wd != 0, (c(grad) + c(wd) * c(param)).astype(dtype), grad)
+
+    def effective_grad(param, grad):
+        grad = grad.astype(dtype)
+        if static["maximize"]:
+            grad = -grad
+        # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
+        return jnp.where(wd != 0, (c(grad) + c(wd) * c(param)).astype(dtype), grad)
+
     out = {}
-    if static["has_momentum"]:
+    if not static["has_momentum"]:
+        grad = effective_grad(param, grad)
+    else:
+        g = effective_grad(param, grad)
         momentum = hp["momentum"]
         buf = buffers["momentum_buffer"]
         # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening), each op rounded
         decayed = (c(buf) * c(momentum)).astype(dtype)
-        new_buf = (c(decayed) + c(1 - hp["dampening"]) * c(grad)).astype(dtype)
+        new_buf = (c(decayed) + c(1 - hp["dampening"]) * c(g)).astype(dtype)
         # torch seeds a missing buffer with the raw gradient: dampening skipped on step 1
-        new_buf = jnp.where(step == 1, grad, new_buf)
-        if static["nesterov"]:
-            direction = (c(grad) + c(momentum) * c(new_buf)).astype(dtype)
-        else:
-            direction = new_buf
+        new_buf = jnp.where(step == 1, g, new_buf)
         # torch skips the buffer entirely while momentum == 0 (set through set_hparams)
         use = momentum != 0
-        out["momentum_buffer"] = jnp.where(use, new_buf, buf)
-        grad = jnp.where(use, direction, grad)
+        new_buf = jnp.where(use, new_buf, buf)
+        out["momentum_buffer"] = new_buf
+        # Two passes over memory, each fused by XLA: this one writes the buffer, the next
+        # reads it back together with fresh reads of param and grad. The barrier stops XLA
+        # from sharing the decayed gradient between the passes (it would materialize it:
+        # a param-sized temporary and a third loop) and the parameter pass reads the
+        # returned buffer, not the old one (reading the old buffer forces copies of the
+        # donated parameter and buffer). Same operations, same rounding.
+        param, grad = jax.lax.optimization_barrier((param, grad))
+        g = effective_grad(param, grad)
+        direction = (c(g) + c(momentum) * c(new_buf)).astype(dtype) if static["nesterov"] else new_buf
+        grad = jnp.where(use, direction, g)
     new_param = (c(param) + c(-hp["lr"]) * c(grad)).astype(dtype)
     return new_param, out
 

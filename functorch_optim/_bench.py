@@ -1,0 +1,749 @@
+"""Optimizer-step benchmark: functorch_optim next to optax (jit, donated) and torch (foreach, fused).
+
+``python -m functorch_optim bench`` (or ``python benchmarks/bench.py``) times, in one run
+and interleaved round-robin so that machine load hits every contender alike:
+
+* **steps**: SGD (momentum 0.9, weight decay 1e-4) and Adam, float32, at 1M / 10M / 50M
+  parameters in 1 and 200 leaves and at 100 leaves x 1k; functorch_optim
+  (``jax.jit(fo.step)``, params and state donated), optax (jit, donated), torch
+  ``foreach=True`` and ``fused=True``; each row also times the in-place bandwidth
+  ceiling ``a += s * b`` (JAX, donated, and torch ``add_``) on the same number of
+  elements, and reports GB/s and the fraction of that ceiling;
+* **accumulate**: a ``grad_accumulate`` micro-step next to a bare jitted ``acc + g``,
+  ``optax.MultiSteps`` and torch's ``grad.add_``, and the window's optimizer step next to
+  a plain step;
+* **peak memory** of each jitted step, from XLA's buffer assignment
+  (arguments + outputs - aliased + temporaries), in units of the parameters' size;
+* **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves.
+
+Adam is taken from ``functorch_optim.adam`` when the package has it; otherwise the
+Adam rows compare optax and torch only. Output: markdown tables on stdout, ``--json``
+and a matplotlib plot (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import functorch_optim as fo
+
+SECTIONS = ("sgd", "adam", "accumulate", "compile")
+LR, MOMENTUM, WEIGHT_DECAY = 1e-3, 0.9, 1e-4
+ADAM_LR = 1e-3
+#: bytes moved per float32 parameter: read p, g, buf / write p, buf (SGD); read p, g, m, v /
+#: write p, m, v (Adam); read acc, g / write acc (micro-step); read a, b / write a (ceiling).
+BYTES_PER_PARAM = {"sgd": 20, "adam": 28, "micro": 12, "ceiling": 12}
+FULL_CASES = (
+    (1_000_000, 1),
+    (1_000_000, 200),
+    (10_000_000, 1),
+    (10_000_000, 200),
+    (50_000_000, 1),
+    (50_000_000, 200),
+    (100_000, 100),
+)
+QUICK_CASES = ((100_000, 1), (100_000, 20), (10_000, 10))
+FULL_COMPILE_LEAVES = (10, 100, 1000)
+QUICK_COMPILE_LEAVES = (10, 30)
+ACCUMULATE_EVERY = 4
+#: ``every`` for a window that never closes: every call is a micro-step
+NEVER = 2**30
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Contender:
+    """One thing to time: ``run()`` does one step and waits for it; ``prepare()`` runs
+    untimed before each timed call (e.g. the micro-steps that open a window)."""
+
+    name: str
+    run: Callable[[], Any]
+    prepare: Callable[[], Any] | None = None
+    bytes_per_param: int | None = None
+    memory: float | None = None  # peak bytes / parameter bytes
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def time_round_robin(contenders: Sequence[Contender], reps: int, warmup: int = 2) -> dict[str, dict]:
+    """Median and spread of each contender's step time, interleaving contenders per rep."""
+    for c in contenders:
+        for _ in range(warmup):
+            if c.prepare is not None:
+                c.prepare()
+            c.run()
+    times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    order = list(contenders)
+    for r in range(reps):
+        # rotate the order so no contender always follows the same neighbour
+        k = r % len(order)
+        for c in order[k:] + order[:k]:
+            if c.prepare is not None:
+                c.prepare()
+            t0 = time.perf_counter()
+            c.run()
+            times[c.name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in times.items():
+        ts = sorted(ts)
+        med = statistics.median(ts)
+        q1, q3 = np.percentile(ts, [25, 75])
+        out[name] = {"median_s": med, "min_s": ts[0], "spread": float((q3 - q1) / med)}
+    return out
+
+
+def peak_memory_units(compiled: Any, param_bytes: int) -> float | None:
+    """Peak memory of a compiled step in units of the parameters' size."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # pragma: no cover - backends without buffer analysis
+        return None
+    if ma is None:
+        return None
+    live = (
+        ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    )
+    return live / param_bytes
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def leaf_sizes(n_params: int, n_leaves: int) -> list[int]:
+    base, rest = divmod(n_params, n_leaves)
+    return [base + (1 if i < rest else 0) for i in range(n_leaves)]
+
+
+def numpy_leaves(n_params: int, n_leaves: int, seed: int) -> list[np.ndarray]:
+    flat = np.random.default_rng(seed).standard_normal(n_params, dtype=np.float32)
+    flat *= 0.01
+    out, start = [], 0
+    for size in leaf_sizes(n_params, n_leaves):
+        out.append(flat[start : start + size])
+        start += size
+    return out
+
+
+def as_tree(leaves: Sequence[Any]) -> dict[str, Any]:
+    return {f"w{i:04d}": leaf for i, leaf in enumerate(leaves)}
+
+
+def jax_tree(np_leaves: Sequence[np.ndarray]) -> dict[str, jax.Array]:
+    # jnp.array copies: every contender owns its buffers (they are donated)
+    return as_tree([jnp.array(x) for x in np_leaves])
+
+
+class JaxStepper:
+    """A jitted ``(params, grads, state) -> (params, state)`` with params and state donated."""
+
+    def __init__(self, fn: Callable, params: Any, grads: Any, state: Any, param_bytes: int) -> None:
+        self.fn = jax.jit(fn, donate_argnums=(0, 2), keep_unused=True)
+        self.compiled = self.fn.lower(params, grads, state).compile()
+        self.memory = peak_memory_units(self.compiled, param_bytes)
+        self.params, self.grads, self.state = params, grads, state
+
+    def __call__(self) -> None:
+        self.params, self.state = self.compiled(self.params, self.grads, self.state)
+        jax.block_until_ready((self.params, self.state))
+
+
+def fo_step_fn(tx: Any) -> Callable:
+    return lambda p, g, s: fo.step(tx, p, g, s)
+
+
+def optax_step_fn(tx: Any) -> Callable:
+    def step(p, g, s):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return step
+
+
+def optax_sgd() -> optax.GradientTransformation:
+    # torch's L2 weight decay added to the gradient, then momentum (the same math from step 2)
+    return optax.chain(optax.add_decayed_weights(WEIGHT_DECAY), optax.sgd(LR, momentum=MOMENTUM))
+
+
+def fo_sgd() -> Any:
+    return fo.sgd(lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+
+
+def fo_adam() -> Any | None:
+    adam = getattr(fo, "adam", None)
+    return None if adam is None else adam(lr=ADAM_LR)
+
+
+def jax_contender(name: str, fn: Callable, tx_init: Callable, np_leaves, grads, nbytes: int, kind: str):
+    params = jax_tree(np_leaves)
+    stepper = JaxStepper(fn, params, grads, tx_init(params), nbytes)
+    return Contender(name, stepper, bytes_per_param=BYTES_PER_PARAM[kind], memory=stepper.memory)
+
+
+def ceiling_contenders(n_params: int, torch: Any) -> list[Contender]:
+    """``a += s * b`` in place on ``n_params`` float32 elements: JAX (donated) and torch."""
+    a = {"a": jnp.full((n_params,), 0.5, jnp.float32)}
+    b = jnp.full((n_params,), 0.25, jnp.float32)
+    axpy = jax.jit(lambda a, b: a + 1e-3 * b, donate_argnums=0)
+
+    def run_jax():
+        a["a"] = axpy(a["a"], b)
+        a["a"].block_until_ready()
+
+    out = [Contender("ceiling jax", run_jax, bytes_per_param=BYTES_PER_PARAM["ceiling"])]
+    if torch is not None:
+        ta = torch.full((n_params,), 0.5)
+        tb = torch.full((n_params,), 0.25)
+        out.append(
+            Contender(
+                "ceiling torch", lambda: ta.add_(tb, alpha=1e-3), bytes_per_param=BYTES_PER_PARAM["ceiling"]
+            )
+        )
+    return out
+
+
+def torch_contenders(kind: str, np_leaves, np_grads, torch: Any) -> list[Contender]:
+    if torch is None:
+        return []
+    out = []
+    grads = [torch.from_numpy(g) for g in np_grads]  # shared, read-only for both optimizers
+    for flavour in ("foreach", "fused"):
+        params = [torch.tensor(x) for x in np_leaves]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        flags = {"foreach": True} if flavour == "foreach" else {"fused": True}
+        if kind == "sgd":
+            opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **flags)
+        else:
+            opt = torch.optim.Adam(params, lr=ADAM_LR, **flags)
+        out.append(Contender(f"torch {flavour}", opt.step, bytes_per_param=BYTES_PER_PARAM[kind]))
+    return out
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:  # torch is an optional extra
+        return None
+    return torch
+
+
+def _summarise(contenders, timings, n_params, kind) -> dict[str, Any]:
+    row: dict[str, Any] = {"times_ms": {}, "gbps": {}, "memory_x_params": {}, "spread": {}}
+    for c in contenders:
+        t = timings[c.name]["median_s"]
+        row["times_ms"][c.name] = t * 1e3
+        row["spread"][c.name] = timings[c.name]["spread"]
+        if c.bytes_per_param is not None:
+            row["gbps"][c.name] = c.bytes_per_param * n_params / t / 1e9
+        if c.memory is not None:
+            row["memory_x_params"][c.name] = c.memory
+    ceil = [v for k, v in row["gbps"].items() if k.startswith("ceiling")]
+    row["ceiling_gbps"] = max(ceil)
+    row["fraction_of_ceiling"] = {
+        k: v / row["ceiling_gbps"] for k, v in row["gbps"].items() if not k.startswith("ceiling")
+    }
+    return row
+
+
+def _ratio(times: dict[str, float], a: str, b: str) -> float | None:
+    if a in times and b in times:
+        return times[a] / times[b]
+    return None
+
+
+def bench_steps(kind: str, cases, reps: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    torch = _torch()
+    rows = []
+    for n_params, n_leaves in cases:
+        log(f"{kind}: {n_params:,} params in {n_leaves} leaves")
+        np_leaves = numpy_leaves(n_params, n_leaves, seed=0)
+        np_grads = numpy_leaves(n_params, n_leaves, seed=1)
+        grads = jax_tree(np_grads)
+        nbytes = 4 * n_params
+        contenders = ceiling_contenders(n_params, torch)
+        if kind == "sgd":
+            fo_tx, opt_tx = fo_sgd(), optax_sgd()
+        else:
+            fo_tx, opt_tx = fo_adam(), optax.adam(ADAM_LR)
+        if fo_tx is not None:
+            contenders.append(
+                jax_contender(
+                    "functorch_optim", fo_step_fn(fo_tx), fo_tx.init, np_leaves, grads, nbytes, kind
+                )
+            )
+        contenders.append(
+            jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes, kind)
+        )
+        if fo_tx is not None and n_leaves > 1:
+            # the same step on the flat layout: one buffer for all leaves (ravel_by_dtype)
+            flat_params = [np.concatenate(np_leaves)]
+            flat_grads = {"float32": jnp.asarray(np.concatenate(np_grads))}
+            stepper = JaxStepper(
+                fo_step_fn(fo_tx),
+                {"float32": jnp.asarray(flat_params[0])},
+                flat_grads,
+                fo_tx.init({"float32": jnp.asarray(flat_params[0])}),
+                nbytes,
+            )
+            contenders.append(
+                Contender("fo flat", stepper, bytes_per_param=BYTES_PER_PARAM[kind], memory=stepper.memory)
+            )
+        contenders += torch_contenders(kind, np_leaves, np_grads, torch)
+        timings = time_round_robin(contenders, reps)
+        row = {
+            "algorithm": kind,
+            "params": n_params,
+            "leaves": n_leaves,
+            **_summarise(contenders, timings, n_params, kind),
+        }
+        t = row["times_ms"]
+        row["ratios"] = {
+            "fo/torch fused": _ratio(t, "functorch_optim", "torch fused"),
+            "fo/optax": _ratio(t, "functorch_optim", "optax"),
+            "fo/torch foreach": _ratio(t, "functorch_optim", "torch foreach"),
+            "optax/torch fused": _ratio(t, "optax", "torch fused"),
+            "fo flat/torch fused": _ratio(t, "fo flat", "torch fused"),
+        }
+        rows.append(row)
+        del contenders, grads
+        gc.collect()
+    return rows
+
+
+def bench_accumulate(cases, reps: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    torch = _torch()
+    rows = []
+    for n_params, n_leaves in cases:
+        log(f"accumulate: {n_params:,} params in {n_leaves} leaves")
+        np_leaves = numpy_leaves(n_params, n_leaves, seed=0)
+        np_grads = numpy_leaves(n_params, n_leaves, seed=1)
+        grads = jax_tree(np_grads)
+        nbytes = 4 * n_params
+        contenders = ceiling_contenders(n_params, torch)
+
+        micro_tx = fo.grad_accumulate(fo_sgd(), every=NEVER)
+        contenders.append(
+            jax_contender(
+                "fo micro-step", fo_step_fn(micro_tx), micro_tx.init, np_leaves, grads, nbytes, "micro"
+            )
+        )
+
+        acc = {"acc": jax_tree([np.zeros_like(x) for x in np_leaves])}
+        add = jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0)
+        add_compiled = add.lower(acc["acc"], grads).compile()
+
+        def run_add(acc=acc, add_compiled=add_compiled, grads=grads):
+            acc["acc"] = add_compiled(acc["acc"], grads)
+            jax.block_until_ready(acc["acc"])
+
+        contenders.append(
+            Contender(
+                "bare acc+g",
+                run_add,
+                bytes_per_param=BYTES_PER_PARAM["micro"],
+                memory=peak_memory_units(add_compiled, nbytes),
+            )
+        )
+
+        multi = optax.MultiSteps(optax_sgd(), every_k_schedule=NEVER)
+        contenders.append(
+            jax_contender(
+                "optax MultiSteps micro-step",
+                optax_step_fn(multi),
+                multi.init,
+                np_leaves,
+                grads,
+                nbytes,
+                "micro",
+            )
+        )
+
+        # the window's optimizer step: one untimed micro-step, then the timed stepping call
+        window_tx = fo.grad_accumulate(fo_sgd(), every=2)
+        window = JaxStepper(
+            fo_step_fn(window_tx), jax_tree(np_leaves), grads, window_tx.init(jax_tree(np_leaves)), nbytes
+        )
+        contenders.append(
+            Contender(
+                "fo window step",
+                window,
+                prepare=window,
+                bytes_per_param=BYTES_PER_PARAM["sgd"],
+                memory=window.memory,
+            )
+        )
+        plain_tx = fo_sgd()
+        contenders.append(
+            jax_contender(
+                "fo plain step", fo_step_fn(plain_tx), plain_tx.init, np_leaves, grads, nbytes, "sgd"
+            )
+        )
+        if torch is not None:
+            t_acc = [torch.zeros(x.shape) for x in np_leaves]
+            t_grads = [torch.from_numpy(g) for g in np_grads]
+            contenders.append(
+                Contender(
+                    "torch grad.add_",
+                    lambda t_acc=t_acc, t_grads=t_grads: torch._foreach_add_(t_acc, t_grads),
+                    bytes_per_param=BYTES_PER_PARAM["micro"],
+                )
+            )
+        timings = time_round_robin(contenders, reps)
+        row = {
+            "algorithm": "grad_accumulate(sgd)",
+            "params": n_params,
+            "leaves": n_leaves,
+            **_summarise(contenders, timings, n_params, "micro"),
+        }
+        t = row["times_ms"]
+        row["ratios"] = {
+            "fo micro/bare acc+g": _ratio(t, "fo micro-step", "bare acc+g"),
+            "MultiSteps micro/fo micro": _ratio(t, "optax MultiSteps micro-step", "fo micro-step"),
+            "fo window step/fo plain step": _ratio(t, "fo window step", "fo plain step"),
+        }
+        rows.append(row)
+        del contenders, grads, acc, window
+        gc.collect()
+    return rows
+
+
+def _compile_seconds(fn: Callable, *args: Any) -> float:
+    t0 = time.perf_counter()
+    jax.jit(fn, donate_argnums=(0, 2), keep_unused=True).lower(*args).compile()
+    return time.perf_counter() - t0
+
+
+def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000) -> list[dict[str, Any]]:
+    rows = []
+    for n_leaves in leaf_counts:
+        log(f"compile: {n_leaves} leaves of {leaf_size}")
+        params = as_tree([jnp.zeros((leaf_size,), jnp.float32) for _ in range(n_leaves)])
+        grads = params
+        candidates: dict[str, tuple[Any, Callable]] = {
+            "fo sgd": (fo_sgd(), fo_step_fn),
+            "optax sgd": (optax_sgd(), optax_step_fn),
+            "fo grad_accumulate": (fo.grad_accumulate(fo_sgd(), every=ACCUMULATE_EVERY), fo_step_fn),
+            "optax MultiSteps": (
+                optax.MultiSteps(optax_sgd(), every_k_schedule=ACCUMULATE_EVERY),
+                optax_step_fn,
+            ),
+        }
+        adam = fo_adam()
+        if adam is not None:
+            candidates["fo adam"] = (adam, fo_step_fn)
+        candidates["optax adam"] = (optax.adam(ADAM_LR), optax_step_fn)
+        row: dict[str, Any] = {"leaves": n_leaves, "leaf_size": leaf_size, "seconds": {}}
+        for name, (tx, make) in candidates.items():
+            row["seconds"][name] = _compile_seconds(make(tx), params, grads, tx.init(params))
+        # the flat layout: the step sees one buffer whatever the number of leaves
+        flat, _ = fo.ravel_by_dtype(params)
+        tx = fo_sgd()
+        row["seconds"]["fo sgd flat"] = _compile_seconds(fo_step_fn(tx), flat, flat, tx.init(flat))
+        s = row["seconds"]
+        row["ratios"] = {
+            "fo sgd/optax sgd": _ratio(s, "fo sgd", "optax sgd"),
+            "fo grad_accumulate/optax MultiSteps": _ratio(s, "fo grad_accumulate", "optax MultiSteps"),
+            "fo adam/optax adam": _ratio(s, "fo adam", "optax adam"),
+            "fo sgd flat/optax sgd": _ratio(s, "fo sgd flat", "optax sgd"),
+        }
+        rows.append(row)
+        gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = []
+    steps = [r for k in ("sgd", "adam") for r in result.get(k, [])]
+    if steps:
+        lines += [
+            "### Optimizer step, float32 (median ms; % of the in-place ceiling measured in the same row)",
+            "",
+            "| step | params | leaves | functorch_optim | fo flat | optax | torch foreach | torch fused "
+            "| fo / fused | fo / optax | fo flat / fused | fo GB/s | ceiling GB/s | fo % | optax % | fused % "
+            "| peak fo ×P | peak optax ×P |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in steps:
+            t, f, m = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"]
+            pct = lambda k, f=f: _fmt(100 * f[k], ".0f") if k in f else "—"
+            lines.append(
+                f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} "
+                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo flat'))} "
+                f"| {_fmt(t.get('optax'))} | {_fmt(t.get('torch foreach'))} | {_fmt(t.get('torch fused'))} "
+                f"| {_fmt(r['ratios']['fo/torch fused'])} | {_fmt(r['ratios']['fo/optax'])} "
+                f"| {_fmt(r['ratios'].get('fo flat/torch fused'))} "
+                f"| {_fmt(r['gbps'].get('functorch_optim'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
+                f"| {pct('functorch_optim')} | {pct('optax')} | {pct('torch fused')} "
+                f"| {_fmt(m.get('functorch_optim'))} | {_fmt(m.get('optax'))} |"
+            )
+        lines.append("")
+    if result.get("accumulate"):
+        lines += [
+            "### grad_accumulate(sgd), float32 (median ms; the window step closes a window of 2)",
+            "",
+            "| params | leaves | fo micro-step | bare acc+g | MultiSteps micro-step | torch grad.add_ "
+            "| fo / bare | MultiSteps / fo | fo window step | fo plain step | window / plain "
+            "| peak fo micro ×P | peak bare ×P | peak MultiSteps ×P |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["accumulate"]:
+            t, q, m = r["times_ms"], r["ratios"], r["memory_x_params"]
+            lines.append(
+                f"| {_size(r['params'])} | {r['leaves']} | {_fmt(t.get('fo micro-step'))} "
+                f"| {_fmt(t.get('bare acc+g'))} | {_fmt(t.get('optax MultiSteps micro-step'))} "
+                f"| {_fmt(t.get('torch grad.add_'))} | {_fmt(q['fo micro/bare acc+g'])} "
+                f"| {_fmt(q['MultiSteps micro/fo micro'], '.1f')} | {_fmt(t.get('fo window step'))} "
+                f"| {_fmt(t.get('fo plain step'))} | {_fmt(q['fo window step/fo plain step'])} "
+                f"| {_fmt(m.get('fo micro-step'))} | {_fmt(m.get('bare acc+g'))} "
+                f"| {_fmt(m.get('optax MultiSteps micro-step'))} |"
+            )
+        lines.append("")
+    if result.get("compile"):
+        names = list(result["compile"][0]["seconds"])
+        lines += [
+            "### Compile time (trace + XLA compile, seconds)",
+            "",
+            "| leaves | " + " | ".join(names) + " | fo / optax sgd | fo flat / optax sgd | fo / MultiSteps |",
+            "|---|" + "---|" * (len(names) + 3),
+        ]
+        for r in result["compile"]:
+            s, q = r["seconds"], r["ratios"]
+            lines.append(
+                f"| {r['leaves']} | "
+                + " | ".join(_fmt(s[n]) for n in names)
+                + f" | {_fmt(q['fo sgd/optax sgd'])} | {_fmt(q.get('fo sgd flat/optax sgd'))} "
+                + f"| {_fmt(q['fo grad_accumulate/optax MultiSteps'])} |"
+            )
+        lines.append("")
+    meta = result["meta"]
+    lines.append(
+        f"{meta['machine']}; jax {meta['jax']}, optax {meta['optax']}, torch {meta['torch']}; "
+        f"{meta['reps']} timed reps per contender, round-robin; load average {meta['load_before']} → "
+        f"{meta['load_after']}; {meta['wall_s']:.0f} s."
+    )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for k in ("sgd", "adam") for r in result.get(k, [])]
+    panels = [p for p in ("steps", "accumulate", "compile") if (steps if p == "steps" else result.get(p))]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=False):
+        if panel == "steps":
+            names = ["functorch_optim", "fo flat", "optax", "torch foreach", "torch fused"]
+            labels = [f"{r['algorithm']} {_size(r['params'])}×{r['leaves']}" for r in steps]
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                vals = [100 * r["fraction_of_ceiling"].get(name, float("nan")) for r in steps]
+                ax.bar(np.arange(len(steps)) + i * width, vals, width, label=name)
+            ax.axhline(100, color="k", lw=0.8, ls="--")
+            ax.axhline(85, color="grey", lw=0.8, ls=":")
+            ax.set_xticks(
+                np.arange(len(steps)) + 0.4 - width / 2, labels, rotation=60, ha="right", fontsize=7
+            )
+            ax.set_ylabel("% of in-place bandwidth ceiling")
+            ax.set_title("optimizer step (float32)")
+        elif panel == "accumulate":
+            rows = result["accumulate"]
+            names = ["fo micro-step", "optax MultiSteps micro-step", "torch grad.add_"]
+            labels = [f"{_size(r['params'])}×{r['leaves']}" for r in rows]
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                vals = [r["times_ms"].get(name, float("nan")) / r["times_ms"]["bare acc+g"] for r in rows]
+                ax.bar(np.arange(len(rows)) + i * width, vals, width, label=name)
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+            ax.set_yscale("log")
+            ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, labels, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel("micro-step time / bare jitted acc + g")
+            ax.set_title("grad accumulation micro-step")
+        else:
+            rows = result["compile"]
+            for name in rows[0]["seconds"]:
+                ax.plot(
+                    [r["leaves"] for r in rows], [r["seconds"][name] for r in rows], marker="o", label=name
+                )
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("leaves")
+            ax.set_ylabel("trace + compile (s)")
+            ax.set_title("compile time")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _cli_args() -> list[str]:
+    args = sys.argv[1:]
+    return args[1:] if args[:1] == ["bench"] else args
+
+
+def run(
+    sections: Sequence[str] = SECTIONS,
+    quick: bool = False,
+    reps: int | None = None,
+    cases: Sequence[tuple[int, int]] | None = None,
+    compile_leaves: Sequence[int] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """Run the benchmark sections and return the results as a JSON-able dict."""
+    cases = tuple(cases or (QUICK_CASES if quick else FULL_CASES))
+    compile_leaves = tuple(compile_leaves or (QUICK_COMPILE_LEAVES if quick else FULL_COMPILE_LEAVES))
+    reps = reps or (5 if quick else 9)
+    torch = _torch()
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "meta": {
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, {jax.devices()[0].device_kind}",
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "torch": None if torch is None else torch.__version__,
+            "torch_threads": None if torch is None else torch.get_num_threads(),
+            "functorch_optim": fo.__version__,
+            "fo_adam": hasattr(fo, "adam"),
+            "reps": reps,
+            "quick": quick,
+            "dtype": "float32",
+            "load_before": [round(x, 2) for x in os.getloadavg()],
+            "command": " ".join(["python -m functorch_optim bench", *_cli_args()]),
+        }
+    }
+    for kind in ("sgd", "adam"):
+        if kind in sections:
+            result[kind] = bench_steps(kind, cases, reps, log)
+    if "accumulate" in sections:
+        # 100 leaves x 1k is a host-overhead case; accumulation is about large models
+        acc_cases = [c for c in cases if c[0] >= 100_000 and c[1] != 100] if not quick else cases[:2]
+        result["accumulate"] = bench_accumulate(acc_cases, reps, log)
+    if "compile" in sections:
+        result["compile"] = bench_compile(compile_leaves, log)
+    result["meta"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["meta"]["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes and few reps (a smoke test)")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run (default: all)"
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="PARAMSxLEAVES",
+        help="cases like 1e7x1 1e7x200 (default: the issue's grid)",
+    )
+    parser.add_argument("--compile-leaves", nargs="+", type=int, help="leaf counts for compile times")
+    parser.add_argument("--reps", type=int, help="timed reps per contender (default 9; 5 with --quick)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="PATH", default="bench.png", help="plot file (default bench.png)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the plot")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the markdown tables to a file")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="PATH",
+        help="measure nothing: merge these result files (e.g. one per section) into tables and a plot",
+    )
+
+
+def _parse_case(text: str) -> tuple[int, int]:
+    params, _, leaves = text.lower().partition("x")
+    return int(float(params)), int(leaves or 1)
+
+
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs (e.g. one per section); meta from the first, load and
+    wall time over all."""
+    out: dict[str, Any] = {"meta": dict(results[0]["meta"])}
+    for r in results:
+        for key, rows in r.items():
+            if key != "meta":
+                out.setdefault(key, []).extend(rows)
+    out["meta"]["load_after"] = results[-1]["meta"]["load_after"]
+    out["meta"]["wall_s"] = sum(r["meta"]["wall_s"] for r in results)
+    out["meta"]["runs"] = [r["meta"].get("command") for r in results]
+    return out
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
+    cases = [_parse_case(s) for s in args.sizes] if args.sizes else None
+    if args.from_json:
+        parts = []
+        for path in args.from_json:
+            with open(path) as fh:
+                parts.append(json.load(fh))
+        result = merge(parts)
+    else:
+        result = run(args.sections, args.quick, args.reps, cases, args.compile_leaves, log)
+    table = markdown(result)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(table + "\n")
+    if args.json == "-":
+        json.dump(result, sys.stdout, indent=1)
+    elif args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if not args.no_plot:
+        plot(result, args.plot)
+        log(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """The ``bench`` subcommand of ``python -m functorch_optim``."""
+    bench = subparsers.add_parser(
+        "bench", help="optimizer-step benchmark against optax and torch", description=__doc__.splitlines()[0]
+    )
+    add_arguments(bench)
+    bench.set_defaults(func=run_cli)

@@ -1,0 +1,115 @@
+"""Smoke test of ``python -m functorch_optim bench``: a tiny run, every row has numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import functorch_optim as fo
+from functorch_optim.__main__ import main
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+
+def _finite_positive(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = [
+        "bench",
+        "--quick",
+        "--reps",
+        "2",
+        "--sizes",
+        "2e4x1",
+        "2e4x4",
+        "--compile-leaves",
+        "2",
+        "4",
+        "--json",
+        str(out / "bench.json"),
+        "--plot",
+        str(out / "bench.png"),
+        "--markdown",
+        str(out / "bench.md"),
+    ]
+    assert main(argv) == 0
+    return {
+        "json": json.loads((out / "bench.json").read_text()),
+        "png": (out / "bench.png").read_bytes(),
+        "md": (out / "bench.md").read_text(),
+    }
+
+
+def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
+    data = result["json"]
+    for kind in ("sgd", "adam"):
+        rows = data[kind]
+        assert [(r["params"], r["leaves"]) for r in rows] == [(20_000, 1), (20_000, 4)]
+        expected = {"optax", "torch foreach", "torch fused", "ceiling jax", "ceiling torch"}
+        if kind == "sgd" or hasattr(fo, "adam"):
+            expected.add("functorch_optim")
+        for row in rows:
+            # the flat layout is timed where there is more than one leaf to pack
+            names = expected | ({"fo flat"} if "functorch_optim" in expected and row["leaves"] > 1 else set())
+            assert set(row["times_ms"]) == names
+            assert all(_finite_positive(v) for v in row["times_ms"].values())
+            assert set(row["gbps"]) == names
+            assert all(_finite_positive(v) for v in row["gbps"].values())
+            assert _finite_positive(row["ceiling_gbps"])
+            assert row["ceiling_gbps"] == max(row["gbps"]["ceiling jax"], row["gbps"]["ceiling torch"])
+            # peak memory of a donated step: params + grads + state (SGD momentum: 3, Adam: 4)
+            floor = 3.0 if kind == "sgd" else 4.0
+            assert floor <= row["memory_x_params"]["optax"] < floor + 0.1
+            if "functorch_optim" in expected:
+                assert floor <= row["memory_x_params"]["functorch_optim"] < floor + 0.1
+                assert _finite_positive(row["ratios"]["fo/torch fused"])
+                assert _finite_positive(row["ratios"]["fo/optax"])
+
+
+def test_accumulate_rows_have_every_contender(result):
+    rows = result["json"]["accumulate"]
+    assert len(rows) == 2
+    names = {
+        "fo micro-step",
+        "bare acc+g",
+        "optax MultiSteps micro-step",
+        "fo window step",
+        "fo plain step",
+        "torch grad.add_",
+        "ceiling jax",
+        "ceiling torch",
+    }
+    for row in rows:
+        assert set(row["times_ms"]) == names
+        assert all(_finite_positive(v) for v in row["times_ms"].values())
+        assert all(_finite_positive(v) for v in row["ratios"].values())
+        # one accumulator on top of params + grads + momentum buffer, nothing more
+        assert 4.0 <= row["memory_x_params"]["fo micro-step"] < 4.1
+        assert 2.0 <= row["memory_x_params"]["bare acc+g"] < 2.1
+
+
+def test_compile_rows_and_outputs(result):
+    rows = result["json"]["compile"]
+    assert [r["leaves"] for r in rows] == [2, 4]
+    for row in rows:
+        expected = {
+            "fo sgd",
+            "fo sgd flat",
+            "optax sgd",
+            "fo grad_accumulate",
+            "optax MultiSteps",
+            "optax adam",
+        }
+        assert expected <= set(row["seconds"])
+        assert all(_finite_positive(v) for v in row["seconds"].values())
+    assert result["png"][:8] == b"\x89PNG\r\n\x1a\n"
+    md = result["md"]
+    assert "| sgd | 20k | 1 |" in md and "| adam | 20k | 4 |" in md and "### Compile time" in md
+    assert result["json"]["meta"]["reps"] == 2
