@@ -195,10 +195,9 @@ def build_adam(
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
     hparams["betas"] = betas_to_scalars(betas)
     tx = make_optimizer(algorithm, hparams, static)
-    if not (
-        (isinstance(betas[0], float) and isinstance(betas[1], float))
-        or (is_tensor(betas[0]) and is_tensor(betas[1]))
-    ):
+    # a schedule counts as a float: torch's schedulers (OneCycleLR's beta1) write floats
+    floats = [isinstance(b, float) or callable(b) for b in betas]
+    if not (all(floats) or (is_tensor(betas[0]) and is_tensor(betas[1]))):
         raise ValueError("betas must be either both floats or both Tensors")
     for i, b in enumerate(betas):
         if is_tensor(b) and not capturable and foreach:

@@ -413,6 +413,37 @@ def test_sgd_with_schedule_trains_like_torch(kind, dtype):
     assert np.max(np.abs(params - p0)) > 0.1
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_family_with_one_cycle_beta1_trains_like_torch(name, dtype):
+    # the documented ``betas=(sched.momentum, beta2)``: a schedule counts as a float in
+    # torch's "betas must be either both floats or both Tensors" check
+    rng = np.random.default_rng(2)
+    p0, grads = rng.standard_normal(6), rng.standard_normal((40, 6))
+    sched = S.one_cycle_lr(0.05, total_steps=40)
+    tx = getattr(fo, name)(lr=sched, betas=(sched.momentum, 0.99), weight_decay=0.1)
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    params = {"w": jnp.asarray(p0, dtype)}
+    state = tx.init(params)
+    t = torch.tensor(np.asarray(p0, dtype), requires_grad=True)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    opt = cls([t], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
+    tsched = L.OneCycleLR(opt, 0.05, total_steps=40)
+    beta1, beta1_torch = [], []
+    for g in grads:
+        params, state = step(params, {"w": jnp.asarray(g, dtype)}, state)
+        t.grad = torch.tensor(np.asarray(g, dtype))
+        opt.step()
+        tsched.step()
+        beta1.append(float(fo.get_hparams(state)["betas"][0]))
+        beta1_torch.append(opt.param_groups[0]["betas"][0])
+    assert np.max(np.abs(np.subtract(beta1, beta1_torch))) <= TOL
+    assert min(beta1) < 0.86 and max(beta1) > 0.94  # it did cycle
+    tol = 1e-13 if dtype == np.float64 else 2e-6
+    np.testing.assert_allclose(np.asarray(params["w"]), t.detach().numpy(), rtol=tol, atol=tol)
+    assert step._cache_size() == 1
+
+
 def test_schedule_advances_per_optimizer_step_not_per_micro_step():
     sched = S.step_lr(1.0, step_size=1, gamma=0.5)
     tx = fo.grad_accumulate(fo.sgd(lr=sched), every=3)
