@@ -210,7 +210,24 @@ def build_adam(
     return tx
 
 
-_MATH = r"""
+def adam(
+    lr: Any = 1e-3,
+    betas: tuple[Any, Any] = (0.9, 0.999),
+    eps: Any = 1e-8,
+    weight_decay: Any = 0,
+    amsgrad: bool = False,
+    *,
+    foreach: bool | None = None,
+    maximize: bool = False,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
+    decoupled_weight_decay: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Adam with torch's exact semantics (``torch.optim.Adam``).
+
+    For each parameter :math:`\theta` with gradient :math:`g_t`:
+
     .. math::
 
         g_t &\leftarrow \pm \nabla_\theta f_t(\theta_{t-1}) \quad (- \text{ if maximize}) \\
@@ -230,64 +247,7 @@ _MATH = r"""
     :math:`\epsilon` = ``eps``, :math:`\lambda` = ``weight_decay`` and :math:`t` the
     number of gradients the parameter has received (its ``step``). Parameters whose
     gradient is ``None`` are skipped, state included.
-"""
 
-_NOTE = """
-    Note:
-      Where optax differs: ``optax.amsgrad`` takes the maximum of the *bias-corrected*
-      second moment; torch (and this function) keep ``max(max_exp_avg_sq, exp_avg_sq)`` of
-      the *raw* moment and divide by :math:`\\sqrt{1 - \\beta_2^t}` afterwards — identical
-      at step 1, different from step 2 on. Even where optax's formula agrees, its operation
-      order differs (``sqrt(v / bc2)`` vs torch's ``sqrt(v) / sqrt(bc2)``), a 1e-16..1e-13
-      effect; this function copies torch's order. Bias corrections are computed in the
-      hyperparameter dtype (float64 under x64), as torch computes them in Python doubles.
-
-      ``foreach``, ``capturable`` and ``fused`` have no effect (XLA fuses the loop);
-      ``differentiable`` has none either, every step is differentiable with ``jax.grad``.
-      torch's ``differentiable=True`` path computes its bias corrections from the float
-      ``step`` tensor, in torch's *default* dtype: it agrees with this function to 1e-10
-      in float64 only under ``torch.set_default_dtype(torch.float64)``. torch's checks on
-      these flags are kept (e.g. a 0-d array ``lr`` with ``foreach=True``).
-"""
-
-
-def adam(
-    lr: Any = 1e-3,
-    betas: tuple[Any, Any] = (0.9, 0.999),
-    eps: Any = 1e-8,
-    weight_decay: Any = 0,
-    amsgrad: bool = False,
-    *,
-    foreach: bool | None = None,
-    maximize: bool = False,
-    capturable: bool = False,
-    differentiable: bool = False,
-    fused: bool | None = None,
-    decoupled_weight_decay: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-    return build_adam(
-        ADAM_ALGORITHM,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        foreach=foreach,
-        capturable=capturable,
-        differentiable=differentiable,
-        fused=fused,
-        decoupled_weight_decay=decoupled_weight_decay,
-    )
-
-
-adam.__doc__ = (
-    r"""Adam with torch's exact semantics (``torch.optim.Adam``).
-
-    For each parameter :math:`\theta` with gradient :math:`g_t`:
-"""
-    + _MATH
-    + r"""
     Args:
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
         schedule ``count -> value``.
@@ -328,12 +288,39 @@ adam.__doc__ = (
       [0.9, -0.9]
       >>> sorted(state.buffers)
       ['exp_avg', 'exp_avg_sq', 'step']
-"""
-    + _NOTE
-    + """
+
+    Note:
+      Where optax differs: ``optax.amsgrad`` takes the maximum of the *bias-corrected*
+      second moment; torch (and this function) keep ``max(max_exp_avg_sq, exp_avg_sq)`` of
+      the *raw* moment and divide by :math:`\sqrt{1 - \beta_2^t}` afterwards — identical
+      at step 1, different from step 2 on. Even where optax's formula agrees, its operation
+      order differs (``sqrt(v / bc2)`` vs torch's ``sqrt(v) / sqrt(bc2)``), a 1e-16..1e-13
+      effect; this function copies torch's order. Bias corrections are computed in the
+      hyperparameter dtype (float64 under x64), as torch computes them in Python doubles.
+
+      ``foreach``, ``capturable`` and ``fused`` have no effect (XLA fuses the loop);
+      ``differentiable`` has none either, every step is differentiable with ``jax.grad``.
+      torch's ``differentiable=True`` path computes its bias corrections from the float
+      ``step`` tensor, in torch's *default* dtype: it agrees with this function to 1e-10
+      in float64 only under ``torch.set_default_dtype(torch.float64)``. torch's checks on
+      these flags are kept (e.g. a 0-d array ``lr`` with ``foreach=True``).
+
     References:
       Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015; Reddi et al.,
       "On the Convergence of Adam and Beyond", ICLR 2018. Mirrors ``torch.optim.Adam``
       (``_single_tensor_adam``).
     """
-)
+    return build_adam(
+        ADAM_ALGORITHM,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
+        fused=fused,
+        decoupled_weight_decay=decoupled_weight_decay,
+    )

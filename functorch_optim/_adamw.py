@@ -10,7 +10,7 @@ from typing import Any
 
 import optax
 
-from functorch_optim._adam import _MATH, ADAMW_ALGORITHM, build_adam
+from functorch_optim._adam import ADAMW_ALGORITHM, build_adam
 
 
 def adamw(
@@ -26,31 +26,32 @@ def adamw(
     differentiable: bool = False,
     fused: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    return build_adam(
-        ADAMW_ALGORITHM,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        foreach=foreach,
-        capturable=capturable,
-        differentiable=differentiable,
-        fused=fused,
-        decoupled_weight_decay=True,
-    )
-
-
-adamw.__doc__ = (
     r"""AdamW with torch's exact semantics (``torch.optim.AdamW``).
 
     Adam whose weight decay is applied to the parameter, not folded into the gradient
     (always the decoupled branch below). For each parameter :math:`\theta` with gradient
     :math:`g_t`:
-"""
-    + _MATH
-    + r"""
+
+    .. math::
+
+        g_t &\leftarrow \pm \nabla_\theta f_t(\theta_{t-1}) \quad (- \text{ if maximize}) \\
+        \theta_{t-1} &\leftarrow \theta_{t-1}(1 - \gamma\lambda)
+            \quad \text{if decoupled and } \lambda \ne 0 \\
+        g_t &\leftarrow g_t + \lambda\theta_{t-1}
+            \quad \text{if not decoupled and } \lambda \ne 0 \\
+        m_t &\leftarrow \operatorname{lerp}(m_{t-1}, g_t, 1 - \beta_1) \\
+        v_t &\leftarrow \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
+        v^{max}_t &\leftarrow \max(v^{max}_{t-1}, v_t) \quad \text{if amsgrad
+            (raw } v_t\text{, not bias-corrected)} \\
+        \hat v_t &\leftarrow v^{max}_t \text{ if amsgrad else } v_t \\
+        \theta_t &\leftarrow \theta_{t-1} - \frac{\gamma}{1 - \beta_1^t} \cdot
+            \frac{m_t}{\sqrt{\hat v_t} / \sqrt{1 - \beta_2^t} + \epsilon}
+
+    with :math:`\gamma` = ``lr``, :math:`(\beta_1, \beta_2)` = ``betas``,
+    :math:`\epsilon` = ``eps``, :math:`\lambda` = ``weight_decay`` and :math:`t` the
+    number of gradients the parameter has received (its ``step``). Parameters whose
+    gradient is ``None`` are skipped, state included.
+
     Args:
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
         schedule ``count -> value``.
@@ -103,4 +104,17 @@ adamw.__doc__ = (
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019. Mirrors
       ``torch.optim.AdamW`` (``Adam`` with ``decoupled_weight_decay=True``).
     """
-)
+    return build_adam(
+        ADAMW_ALGORITHM,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        foreach=foreach,
+        capturable=capturable,
+        differentiable=differentiable,
+        fused=fused,
+        decoupled_weight_decay=True,
+    )

@@ -91,7 +91,12 @@ def get_ema_avg_fn(decay: float = 0.999) -> AvgFn:
 
 
 def get_swa_avg_fn() -> AvgFn:
-    r"""``swa_utils.get_swa_avg_fn``: :math:`\bar W + (W - \bar W) / (n + 1)`."""
+    r"""``swa_utils.get_swa_avg_fn``: :math:`\bar W + (W - \bar W) / (n + 1)`.
+
+    Returns:
+      ``avg_fn(averaged, current, num_averaged) -> averaged``, for one leaf, as torch's
+      ``AveragedModel(avg_fn=...)`` takes it.
+    """
 
     def swa_update(averaged, current, num_averaged):
         n1 = (jnp.asarray(num_averaged) + 1).astype(averaged.dtype)

@@ -76,7 +76,16 @@ def get_total_norm(grads: PyTree, norm_type: float = 2.0, error_if_nonfinite: bo
 
 
 def clip_grads_with_norm(grads: PyTree, max_norm: float, total_norm: jax.Array) -> PyTree:
-    """``torch.nn.utils.clip_grads_with_norm_``: scale by ``min(max_norm / (total_norm + 1e-6), 1)``."""
+    """``torch.nn.utils.clip_grads_with_norm_``: scale by ``min(max_norm / (total_norm + 1e-6), 1)``.
+
+    Args:
+      grads: a gradient pytree (``None`` leaves stay ``None``).
+      max_norm: the largest norm allowed.
+      total_norm: the norm already computed, e.g. by ``get_total_norm``.
+
+    Returns:
+      The scaled gradients, in their own dtypes.
+    """
     max_norm = float(max_norm)
     # torch: ``max_norm / (total_norm + 1e-6)`` is ``Tensor.__rtruediv__``, i.e.
     # ``(total_norm + 1e-6).reciprocal() * max_norm``, then clamped to 1

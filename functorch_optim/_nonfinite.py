@@ -28,7 +28,14 @@ class SkipNonfiniteState(NamedTuple):
 
 
 def all_finite(grads: PyTree) -> jax.Array:
-    """Whether every entry of every non-``None`` gradient leaf is finite (a bool scalar)."""
+    """Whether every entry of every non-``None`` gradient leaf is finite.
+
+    Args:
+      grads: a gradient pytree; ``None`` leaves (no gradient) are ignored.
+
+    Returns:
+      A boolean scalar array, ``True`` when no leaf holds a NaN or an infinity.
+    """
     leaves = [g for g in jax.tree.leaves(grads, is_leaf=is_none) if g is not None]
     out = jnp.ones((), bool)
     for g in leaves:

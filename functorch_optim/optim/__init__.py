@@ -28,7 +28,6 @@ from functorch_optim._rprop import rprop
 from functorch_optim._sgd import sgd
 from functorch_optim._sparse_adam import sparse_adam
 from functorch_optim.optim._optimizer import (
-    TORCH_ONLY_FLAGS,
     GroupedParams,
     Optimizer,
     group_by,
@@ -41,25 +40,38 @@ from functorch_optim.optim import lr_scheduler  # isort: skip
 
 # One line per functional factory: torch's class name and signature come from it.
 SGD = make_optimizer_class(sgd)
+"""``torch.optim.SGD(params, ...)`` on JAX: the facade over ``functorch_optim.sgd``."""
 Adam = make_optimizer_class(adam)
+"""``torch.optim.Adam(params, ...)`` on JAX: the facade over ``functorch_optim.adam``."""
 # torch 2.13's AdamW is Adam with decoupled weight decay; its groups say so
 AdamW = make_optimizer_class(adamw, group_extras={"decoupled_weight_decay": True})
+"""``torch.optim.AdamW(params, ...)`` on JAX: the facade over ``functorch_optim.adamw``."""
 Adamax = make_optimizer_class(adamax)
+"""``torch.optim.Adamax(params, ...)`` on JAX: the facade over ``functorch_optim.adamax``."""
 NAdam = make_optimizer_class(nadam)
+"""``torch.optim.NAdam(params, ...)`` on JAX: the facade over ``functorch_optim.nadam``."""
 RAdam = make_optimizer_class(radam)
+"""``torch.optim.RAdam(params, ...)`` on JAX: the facade over ``functorch_optim.radam``."""
 Adagrad = make_optimizer_class(adagrad)
+"""``torch.optim.Adagrad(params, ...)`` on JAX: the facade over ``functorch_optim.adagrad``."""
 Adadelta = make_optimizer_class(adadelta)
+"""``torch.optim.Adadelta(params, ...)`` on JAX: the facade over ``functorch_optim.adadelta``."""
 RMSprop = make_optimizer_class(rmsprop)
+"""``torch.optim.RMSprop(params, ...)`` on JAX: the facade over ``functorch_optim.rmsprop``."""
 Rprop = make_optimizer_class(rprop)
+"""``torch.optim.Rprop(params, ...)`` on JAX: the facade over ``functorch_optim.rprop``."""
 ASGD = make_optimizer_class(asgd)
+"""``torch.optim.ASGD(params, ...)`` on JAX: the facade over ``functorch_optim.asgd``."""
 Adafactor = make_optimizer_class(adafactor)
+"""``torch.optim.Adafactor(params, ...)`` on JAX: the facade over ``functorch_optim.adafactor``."""
 Muon = make_optimizer_class(muon)
+"""``torch.optim.Muon(params, ...)`` on JAX: the facade over ``functorch_optim.muon``."""
 SparseAdam = make_optimizer_class(sparse_adam)
+"""``torch.optim.SparseAdam(params, ...)`` on JAX: the facade over ``functorch_optim.sparse_adam``."""
 
 __all__ = [
     "ASGD",
     "SGD",
-    "TORCH_ONLY_FLAGS",
     "Adadelta",
     "Adafactor",
     "Adagrad",

@@ -76,7 +76,14 @@ class _Layout:
 
 
 def path_name(path: tuple) -> str:
-    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``."""
+    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``.
+
+    Args:
+      path: a ``jax.tree_util`` key path (dict keys, sequence indices, attributes).
+
+    Returns:
+      The keys joined by ``"."``; the names ``group_by`` regexes are matched against.
+    """
     parts = []
     for key in path:
         if isinstance(key, jax.tree_util.DictKey):
