@@ -159,3 +159,38 @@ def test_errors_like_torch():
         ref.step()
     with pytest.raises(ValueError, match=str(err.value)):
         ours.step()
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [("CosineAnnealingLR", {"T_max": 7, "eta_min": 0.01}), ("StepLR", {"step_size": 4, "gamma": 0.5})],
+)
+def test_drives_the_real_facade_like_torch(name, kwargs):
+    """The classes over functorch_optim.optim.SGD (two groups) train like torch's pair."""
+    import jax.numpy as jnp
+
+    from functorch_optim.optim import SGD
+
+    rng = np.random.default_rng(4)
+    init = [rng.standard_normal((3, 2)), rng.standard_normal(2)]
+    grads = [[rng.standard_normal((3, 2)), rng.standard_normal(2)] for _ in range(20)]
+    ts = [torch.tensor(p, requires_grad=True) for p in init]
+    t_opt = torch.optim.SGD(
+        [{"params": [ts[0]]}, {"params": [ts[1]], "lr": 0.3}], lr=0.1, momentum=0.9, foreach=False
+    )
+    t_sched = getattr(TL, name)(t_opt, **kwargs)
+    opt = SGD(
+        [{"params": jnp.asarray(init[0])}, {"params": jnp.asarray(init[1]), "lr": 0.3}], lr=0.1, momentum=0.9
+    )
+    sched = getattr(L, name)(opt, **kwargs)
+    for g in grads:
+        for t, gl in zip(ts, g):
+            t.grad = torch.tensor(gl)
+        t_opt.step()
+        t_sched.step()
+        opt.grad = [jnp.asarray(gl) for gl in g]
+        opt.step()
+        sched.step()
+        np.testing.assert_allclose(sched.get_last_lr(), t_sched.get_last_lr(), rtol=1e-12, atol=0)
+    for ours, theirs in zip(opt.params, ts):
+        np.testing.assert_allclose(np.asarray(ours), theirs.detach().numpy(), rtol=1e-12, atol=1e-15)
