@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._tensor_lr import squeeze_lr
+from functorch_optim._checks import squeeze_lr
 from functorch_optim._tree import opmath_dtype
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype

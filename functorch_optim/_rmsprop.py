@@ -11,7 +11,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._hyperparams import to_python
-from functorch_optim._tensor_lr import squeeze_lr
+from functorch_optim._checks import squeeze_lr
 from functorch_optim._tree import opmath_dtype
 
 
