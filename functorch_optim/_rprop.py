@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import squeeze_lr
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._checks import check_lr, squeeze_lr
+from functorch_optim._torch_ops import op_casts, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr, etas = hp["lr"], hp["etas"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_lr(lr)
     if not 0.0 < etas[0] < 1.0 < etas[1]:
         raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
 
@@ -29,17 +28,8 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
 
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
-    def r(x):
-        return x.astype(dtype)
-
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    c, _, r = op_casts(dtype)
+    grad = signed_grad(grad, dtype, static["maximize"])
     etaminus, etaplus = hp["etas"]
     step_size_min, step_size_max = hp["step_sizes"]
     # torch.full_like(grad, lr) when the state is created

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import check_betas
+from functorch_optim._torch_ops import signed_grad
 from functorch_optim._tree import opmath_dtype
 
 
@@ -20,10 +22,7 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not eps > 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    check_betas((beta1, beta2))
 
 
 def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -36,9 +35,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     ct = opmath_dtype(dtype)
     hdt = jnp.result_type(hp["lr"])
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    g = grad.astype(dtype).astype(ct)
-    if static["maximize"]:
-        g = -g
+    g = signed_grad(grad, dtype, static["maximize"]).astype(ct)
     # The entries a sparse COO gradient (``grad.to_sparse()``) would carry.
     mask = g != 0
     old_m = buffers["exp_avg"].astype(ct)
