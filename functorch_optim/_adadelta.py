@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_weight_decay, squeeze_lr
-from functorch_optim._torch_ops import op_casts, signed_grad
+from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -21,10 +20,6 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
         raise ValueError(f"Invalid rho value: {rho}")
     check_eps(eps)
     check_weight_decay(weight_decay)
-
-
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    return {"square_avg": jnp.zeros_like(param), "acc_delta": jnp.zeros_like(param)}
 
 
 def _step_leaf(param, grad, buffers, step, hp, static):
@@ -50,7 +45,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 
 
 ADADELTA_ALGORITHM = Algorithm(
-    name="Adadelta", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf
+    name="Adadelta",
+    validate=_validate,
+    init_leaf=zero_buffers("square_avg", "acc_delta"),
+    step_leaf=_step_leaf,
 )
 
 

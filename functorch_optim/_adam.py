@@ -28,10 +28,6 @@ from functorch_optim._torch_ops import (
 # ------------------------------------------------------------------------------ Adam rule
 
 
-def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
-    validate_lr_eps_betas_wd(hp)
-
-
 def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
     buffers = {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
     if static["amsgrad"]:
@@ -68,8 +64,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, out
 
 
-ADAM_ALGORITHM = Algorithm(name="Adam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
-ADAMW_ALGORITHM = Algorithm(name="AdamW", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+ADAM_ALGORITHM = Algorithm(
+    name="Adam", validate=validate_lr_eps_betas_wd, init_leaf=_init_leaf, step_leaf=_step_leaf
+)
+ADAMW_ALGORITHM = Algorithm(
+    name="AdamW", validate=validate_lr_eps_betas_wd, init_leaf=_init_leaf, step_leaf=_step_leaf
+)
 
 
 def build_adam(

@@ -48,8 +48,9 @@ def check_betas(betas: Any) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
 
 
-def validate_lr_eps_betas_wd(hp: Mapping[str, Any]) -> None:
-    """torch's checks, in torch's order, shared by Adam, AdamW, Adamax, NAdam and RAdam."""
+def validate_lr_eps_betas_wd(hp: Mapping[str, Any], static: Mapping[str, Any] | None = None) -> None:
+    """torch's checks, in torch's order, shared by Adam, AdamW, Adamax, NAdam and RAdam
+    (an ``Algorithm.validate``: ``static`` is unused)."""
     check_lr(hp["lr"])
     check_eps(hp["eps"])
     check_betas(hp["betas"])

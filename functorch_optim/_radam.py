@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -18,15 +16,8 @@ from functorch_optim._torch_ops import (
     lerp,
     signed_grad,
     step_as_float,
+    zero_buffers,
 )
-
-
-def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
-    validate_lr_eps_betas_wd(hp)
-
-
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    return {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
 
 
 def _step_leaf(param, grad, buffers, step, hp, static):
@@ -62,7 +53,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-RADAM_ALGORITHM = Algorithm(name="RAdam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+RADAM_ALGORITHM = Algorithm(
+    name="RAdam",
+    validate=validate_lr_eps_betas_wd,
+    init_leaf=zero_buffers("exp_avg", "exp_avg_sq"),
+    step_leaf=_step_leaf,
+)
 
 
 def radam(

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_betas
-from functorch_optim._torch_ops import signed_grad
+from functorch_optim._torch_ops import signed_grad, zero_buffers
 from functorch_optim._tree import opmath_dtype
 
 
@@ -23,11 +22,6 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     if not eps > 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
     check_betas((beta1, beta2))
-
-
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    del static
-    return {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
 
 
 def _step_leaf(param, grad, buffers, step, hp, static):
@@ -61,7 +55,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 
 # torch's SparseAdam keeps ``step`` as a Python int
 SPARSE_ADAM_ALGORITHM = Algorithm(
-    name="SparseAdam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, torch_step="int"
+    name="SparseAdam",
+    validate=_validate,
+    init_leaf=zero_buffers("exp_avg", "exp_avg_sq"),
+    step_leaf=_step_leaf,
+    torch_step="int",
 )
 
 

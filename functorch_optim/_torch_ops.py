@@ -87,6 +87,16 @@ def apply_weight_decay(
     return param, jnp.where(weight_decay != 0, coupled, grad)
 
 
+def zero_buffers(*names: str) -> Callable[[jax.Array, Mapping[str, Any]], dict[str, jax.Array]]:
+    """An ``init_leaf`` whose buffers ``names`` all start as zeros like the parameter
+    (torch's ``torch.zeros_like(p, memory_format=torch.preserve_format)``)."""
+
+    def init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+        return {name: jnp.zeros_like(param) for name in names}
+
+    return init_leaf
+
+
 def step_as_float(step: jax.Array, hp: Mapping[str, Any]) -> jax.Array:
     """The int32 ``step`` as the float torch uses (a double under x64)."""
     return step.astype(jnp.result_type(hp["lr"]))
