@@ -5,49 +5,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._tensor_lr import squeeze_lr
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._checks import check_eps, check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr, rho, eps, weight_decay = hp["lr"], hp["rho"], hp["eps"], hp["weight_decay"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_lr(lr)
     if not 0.0 <= rho <= 1.0:
         raise ValueError(f"Invalid rho value: {rho}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    return {"square_avg": jnp.zeros_like(param), "acc_delta": jnp.zeros_like(param)}
+    check_eps(eps)
+    check_weight_decay(weight_decay)
 
 
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
-    def a(x):
-        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
-        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
-        return c(jnp.asarray(x).astype(dtype))
-
-    def r(x):
-        return x.astype(dtype)
-
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    c, a, r = op_casts(dtype)
+    grad = signed_grad(grad, dtype, static["maximize"])
     rho, eps, wd = hp["rho"], hp["eps"], hp["weight_decay"]
     grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)
@@ -67,7 +45,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 
 
 ADADELTA_ALGORITHM = Algorithm(
-    name="Adadelta", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf
+    name="Adadelta",
+    validate=_validate,
+    init_leaf=zero_buffers("square_avg", "acc_delta"),
+    step_leaf=_step_leaf,
 )
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._torch_ops import lerp_formula, signed_grad
 from functorch_optim._tree import opmath_dtype
 
 
@@ -42,20 +43,12 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
     return {"variance": jnp.zeros_like(param)}
 
 
-def lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
-    """torch's ``start.lerp_(end, weight)``: two formulas, split at ``|weight| < 0.5``."""
-    diff = end - start
-    return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
-
-
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     ct = opmath_dtype(dtype)
     hdt = jnp.result_type(hp["lr"])
     p = param.astype(ct)
-    g = grad.astype(dtype).astype(ct)
-    if static["maximize"]:
-        g = -g
+    g = signed_grad(grad, dtype, static["maximize"]).astype(ct)
     lr, beta2_decay, d, wd = hp["lr"], hp["beta2_decay"], hp["d"], hp["weight_decay"]
     eps1_hp, eps2 = hp["eps"]
     # torch: ``if eps1 is None: eps1 = torch.finfo(param.dtype).eps``
@@ -77,16 +70,16 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # torch: torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
         row_mean = jnp.sqrt(jnp.sum(g * g, axis=-1, keepdims=True))
         row_mean = row_mean * row_mean / g.shape[-1]
-        row_var = lerp(buffers["row_var"].astype(ct), row_mean, w)
+        row_var = lerp_formula(buffers["row_var"].astype(ct), row_mean, w)
         col_mean = jnp.sqrt(jnp.sum(g * g, axis=-2, keepdims=True))
         col_mean = col_mean * col_mean / g.shape[-2]
-        col_var = lerp(buffers["col_var"].astype(ct), col_mean, w)
+        col_var = lerp_formula(buffers["col_var"].astype(ct), col_mean, w)
         var_estimate = row_var * col_var  # torch: row_var @ col_var, an outer product
         row_mean_all = jnp.sum(row_var, axis=-2, keepdims=True) / row_var.shape[-2]
         var_estimate = var_estimate / jnp.maximum(row_mean_all, eps1.astype(ct))
         out["row_var"], out["col_var"] = row_var.astype(dtype), col_var.astype(dtype)
     else:
-        variance = lerp(buffers["variance"].astype(ct), g * g, w)
+        variance = lerp_formula(buffers["variance"].astype(ct), g * g, w)
         var_estimate = variance
         out["variance"] = variance.astype(dtype)
 

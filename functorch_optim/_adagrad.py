@@ -10,24 +10,21 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import check_eps, check_lr, check_weight_decay, squeeze_lr
 from functorch_optim._hyperparams import to_python
-from functorch_optim._tensor_lr import squeeze_lr
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._torch_ops import op_casts, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr, lr_decay, weight_decay, eps = hp["lr"], hp["lr_decay"], hp["weight_decay"], hp["eps"]
     initial_accumulator_value = static["initial_accumulator_value"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_lr(lr)
     if not lr_decay >= 0.0:
         raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    check_weight_decay(weight_decay)
     if not initial_accumulator_value >= 0.0:
         raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
+    check_eps(eps)
 
 
 def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -37,19 +34,8 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
 
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
-    def a(x):
-        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
-        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
-        return c(jnp.asarray(x).astype(dtype))
-
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    c, a, _ = op_casts(dtype)
+    grad = signed_grad(grad, dtype, static["maximize"])
     wd = hp["weight_decay"]
     # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
     grad = jnp.where(wd != 0, (c(grad) + a(wd) * c(param)).astype(dtype), grad)

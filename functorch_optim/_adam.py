@@ -1,14 +1,12 @@
 """Adam (and the rule AdamW reuses), as ``torch.optim.Adam``.
 
-Also home of what the Adam family (Adam, AdamW, Adamax, NAdam, RAdam) shares: torch's
-checks on ``lr``/``eps``/``betas``/``weight_decay`` and the per-op emulation of torch's
-CPU kernels (``lerp_``, ``mul_().addcmul_()``), each op computed in torch's opmath dtype
-and rounded to the parameter dtype, as torch does for bf16/fp16 parameters.
+The checks it shares with the Adam family live in ``_checks.py``, the emulation of
+torch's per-op kernels in ``_torch_ops.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -17,106 +15,17 @@ import numpy as np
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._tree import opmath_dtype
-
-# --------------------------------------------------------------------------- shared checks
-
-
-def is_tensor(x: Any) -> bool:
-    """Whether a hyperparameter is given as an array (torch's "Tensor" hyperparameters)."""
-    return isinstance(x, jax.Array | np.ndarray)
-
-
-def tensor_to_scalar(name: str, x: Any) -> Any:
-    """torch's ``_to_scalar``: a 1-element array becomes 0-d; any other size is rejected.
-
-    Raises:
-      ValueError: ``Tensor {name} must be 1-element`` (torch's text).
-    """
-    if is_tensor(x):
-        if np.size(x) != 1:
-            raise ValueError(f"Tensor {name} must be 1-element")
-        return jnp.reshape(x, ())
-    return x
-
-
-def betas_to_scalars(betas: Any) -> tuple[Any, Any]:
-    """``betas`` as a pair of scalars (1-element arrays squeezed, as torch does)."""
-    if callable(betas) or not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2) of numbers or 0-d arrays, got {betas!r}")
-    return (tensor_to_scalar("betas[0]", betas[0]), tensor_to_scalar("betas[1]", betas[1]))
-
-
-def validate_lr_eps_betas_wd(hp: Mapping[str, Any]) -> None:
-    """torch's checks, in torch's order, shared by Adam, AdamW, Adamax, NAdam and RAdam."""
-    lr, eps, betas, weight_decay = hp["lr"], hp["eps"], hp["betas"], hp["weight_decay"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
-# ------------------------------------------------------------------ torch's ops, emulated
-
-
-def caster(dtype: Any) -> Callable[[Any], jax.Array]:
-    """``c(x)``: ``x`` in torch's opmath dtype for parameters of ``dtype``.
-
-    A Python-double scalar meets a float32 tensor as float32 in torch; a bf16 tensor is
-    computed in float32 and rounded back after each op (``.astype(dtype)``).
-    """
-    ct = opmath_dtype(dtype)
-    return lambda x: jnp.asarray(x).astype(ct)
-
-
-def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
-    """``start.lerp_(end, weight)`` with torch's CPU formula (two branches at 0.5)."""
-    dtype = start.dtype
-    c = caster(dtype)
-    s, e, w = c(start), c(end), c(weight)
-    diff = e - s
-    out = jnp.where(jnp.abs(w) < 0.5, s + w * diff, e - diff * (1 - w))
-    return out.astype(dtype)
-
-
-def decay_square(exp_avg_sq: jax.Array, grad: jax.Array, beta2: Any) -> jax.Array:
-    """``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``, rounded per op."""
-    dtype = exp_avg_sq.dtype
-    c = caster(dtype)
-    decayed = (c(exp_avg_sq) * c(beta2)).astype(dtype)
-    return (c(decayed) + c(1 - beta2) * c(grad) * c(grad)).astype(dtype)
-
-
-def apply_weight_decay(
-    param: jax.Array, grad: jax.Array, lr: Any, weight_decay: Any, decoupled: bool
-) -> tuple[jax.Array, jax.Array]:
-    """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)``, else
-    ``grad = grad.add(param, alpha=wd)``. Returns ``(param, grad)``."""
-    dtype = param.dtype
-    c = caster(dtype)
-    if decoupled:
-        decayed = (c(param) * c(1 - lr * weight_decay)).astype(dtype)
-        return jnp.where(weight_decay != 0, decayed, param), grad
-    coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
-    return param, jnp.where(weight_decay != 0, coupled, grad)
-
-
-def step_as_float(step: jax.Array, hp: Mapping[str, Any]) -> jax.Array:
-    """The int32 ``step`` as the float torch uses (a double under x64)."""
-    return step.astype(jnp.result_type(hp["lr"]))
-
+from functorch_optim._checks import betas_to_scalars, is_tensor, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._torch_ops import (
+    apply_weight_decay,
+    caster,
+    decay_square,
+    lerp,
+    signed_grad,
+    step_as_float,
+)
 
 # ------------------------------------------------------------------------------ Adam rule
-
-
-def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
-    validate_lr_eps_betas_wd(hp)
 
 
 def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -130,9 +39,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     c = caster(dtype)
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    grad = signed_grad(grad, dtype, static["maximize"])
     param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])
     exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
     exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
@@ -157,8 +64,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, out
 
 
-ADAM_ALGORITHM = Algorithm(name="Adam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
-ADAMW_ALGORITHM = Algorithm(name="AdamW", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+ADAM_ALGORITHM = Algorithm(
+    name="Adam", validate=validate_lr_eps_betas_wd, init_leaf=_init_leaf, step_leaf=_step_leaf
+)
+ADAMW_ALGORITHM = Algorithm(
+    name="AdamW", validate=validate_lr_eps_betas_wd, init_leaf=_init_leaf, step_leaf=_step_leaf
+)
 
 
 def build_adam(

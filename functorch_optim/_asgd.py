@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._tensor_lr import squeeze_lr
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._checks import check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._torch_ops import op_casts, signed_grad
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype
 #: (``_get_scalar_dtype()``), float32 unless ``torch.set_default_dtype`` changed it,
@@ -20,11 +20,8 @@ SCALAR_DTYPE = jnp.float32
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
-    lr, weight_decay = hp["lr"], hp["weight_decay"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    check_lr(hp["lr"])
+    check_weight_decay(hp["weight_decay"])
 
 
 def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -38,22 +35,8 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
 
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
-    def a(x):
-        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
-        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
-        return c(jnp.asarray(x).astype(dtype))
-
-    def r(x):
-        return x.astype(dtype)
-
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    c, a, r = op_casts(dtype)
+    grad = signed_grad(grad, dtype, static["maximize"])
     lr, lambd, alpha, t0, wd = hp["lr"], hp["lambd"], hp["alpha"], hp["t0"], hp["weight_decay"]
     hdt = lr.dtype
     eta = jnp.where(step == 1, lr.astype(SCALAR_DTYPE), buffers["eta"])

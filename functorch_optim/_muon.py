@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._adafactor import lerp
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._torch_ops import lerp_formula
 from functorch_optim._tree import opmath_dtype
 
 #: torch's constants (from Keller Jordan's Muon): coefficients, steps and eps.
@@ -110,8 +110,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     ct = opmath_dtype(dtype)
     lr, momentum, wd = hp["lr"], hp["momentum"], hp["weight_decay"]
     g = grad.astype(dtype).astype(ct)
-    buf = lerp(buffers["momentum_buffer"].astype(ct), g, (1 - momentum).astype(ct))
-    update = lerp(g, buf, momentum.astype(ct)) if static["nesterov"] else buf
+    buf = lerp_formula(buffers["momentum_buffer"].astype(ct), g, (1 - momentum).astype(ct))
+    update = lerp_formula(g, buf, momentum.astype(ct)) if static["nesterov"] else buf
     ortho = zeropower_via_newtonschulz(update, hp["ns_coefficients"], static["ns_steps"], hp["eps"])
     adjusted_lr = lr * _adjusted_ratio(static["adjust_lr_fn"], param.shape)
     p = param.astype(ct) * (1 - lr * wd).astype(ct)

@@ -9,17 +9,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._adam import (
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import betas_to_scalars, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._torch_ops import (
     apply_weight_decay,
-    betas_to_scalars,
     caster,
     decay_square,
     lerp,
+    signed_grad,
     step_as_float,
-    tensor_to_scalar,
-    validate_lr_eps_betas_wd,
 )
-from functorch_optim._base import Algorithm, make_optimizer
 
 #: torch keeps ``mu_product`` as a 0-d tensor of its *default* dtype, float32 unless
 #: ``torch.set_default_dtype`` changed it, even for float64 parameters.
@@ -45,9 +44,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     c = caster(dtype)
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
     momentum_decay = hp["momentum_decay"]
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    grad = signed_grad(grad, dtype, static["maximize"])
     t = step_as_float(step, hp)
     bias_correction2 = 1 - beta2**t
     param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +75,6 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
       >>> params["w"].tolist(), int(state.skipped)
       ([1.0], 1)
     """
-    inner_step = getattr(tx.update, STEP_ATTR, None)
-    extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def init(params: PyTree) -> SkipNonfiniteState:
         return SkipNonfiniteState(jnp.zeros((), jnp.int32), jnp.ones((), bool), tx.init(params))
@@ -86,22 +84,7 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
 
     def update(grads, state, params=None, **extra_args):
         finite = all_finite(grads)
-
-        def do(inner):
-            if extra_ok:
-                updates, inner = tx.update(grads, inner, params, **extra_args)
-            else:
-                updates, inner = tx.update(grads, inner, params)
-            zeros = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
-            return zeros, inner
-
-        def skip(inner):
-            like = params if params is not None else grads
-            zeros = jax.tree.map(
-                lambda g, p: None if g is None else jnp.zeros_like(p), grads, like, is_leaf=is_none
-            )
-            return zeros, inner
-
+        do, skip = update_branches(tx, grads, params, extra_args)
         if params is None:
             # without params the update structure is the gradients'; keep a cond-free select
             updates, inner = do(state.inner_state)
@@ -112,27 +95,58 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
             )
             inner = jax.tree.map(lambda a, b: jnp.where(finite, a, b), inner, state.inner_state)
             return updates, advance(state, finite, inner)
-        updates, inner = _cond(finite, do, skip, state.inner_state)
+        updates, inner = jax.lax.cond(finite, do, skip, state.inner_state)
         return updates, advance(state, finite, inner)
 
     def step_fn(params, grads, state, **extra_args):
         finite = all_finite(grads)
-
-        def do(params, inner):
-            if inner_step is not None:
-                return inner_step(params, grads, inner, **extra_args)
-            return _step(tx, params, grads, inner, **extra_args)
-
-        def skip(params, inner):
-            return params, inner
-
-        params, inner = _cond(finite, do, skip, params, state.inner_state)
+        params, inner = step_if(finite, tx, params, grads, state.inner_state, extra_args)
         return params, advance(state, finite, inner)
 
     setattr(update, STEP_ATTR, step_fn)
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _cond(pred, true_fn, false_fn, *operands):
-    """``lax.cond`` that keeps ``None`` leaves (a missing gradient) out of the operands."""
-    return jax.lax.cond(pred, true_fn, false_fn, *operands)
+def update_branches(tx: optax.GradientTransformation, grads: PyTree, params: PyTree | None, extra_args: dict):
+    """``(do, skip)`` branches for ``lax.cond`` over an inner state: ``tx.update`` (with
+    ``None`` where the gradient is ``None``), or zero updates and the state unchanged."""
+    extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def do(inner):
+        if extra_ok:
+            updates, inner = tx.update(grads, inner, params, **extra_args)
+        else:
+            updates, inner = tx.update(grads, inner, params)
+        return jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none), inner
+
+    def skip(inner):
+        like = params if params is not None else grads
+        zeros = jax.tree.map(
+            lambda g, p: None if g is None else jnp.zeros_like(p), grads, like, is_leaf=is_none
+        )
+        return zeros, inner
+
+    return do, skip
+
+
+def step_if(
+    pred: jax.Array,
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    grads: PyTree,
+    inner: Any,
+    extra_args: dict,
+) -> tuple[PyTree, Any]:
+    """``fo.step`` of ``tx`` (its own step function where it has one) under ``lax.cond``:
+    ``(params, inner)`` unchanged where ``pred`` is false."""
+    inner_step = getattr(tx.update, STEP_ATTR, None)
+
+    def do(params, inner):
+        if inner_step is not None:
+            return inner_step(params, grads, inner, **extra_args)
+        return _step(tx, params, grads, inner, **extra_args)
+
+    def skip(params, inner):
+        return params, inner
+
+    return jax.lax.cond(pred, do, skip, params, inner)

@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._adam import (
+from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import betas_to_scalars, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._torch_ops import (
     apply_weight_decay,
-    betas_to_scalars,
     caster,
     decay_square,
     lerp,
+    signed_grad,
     step_as_float,
-    tensor_to_scalar,
-    validate_lr_eps_betas_wd,
+    zero_buffers,
 )
-from functorch_optim._base import Algorithm, make_optimizer
-
-
-def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
-    validate_lr_eps_betas_wd(hp)
-
-
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    return {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
 
 
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     c = caster(dtype)
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    grad = signed_grad(grad, dtype, static["maximize"])
     t = step_as_float(step, hp)
     param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])
     exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
@@ -65,7 +53,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-RADAM_ALGORITHM = Algorithm(name="RAdam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+RADAM_ALGORITHM = Algorithm(
+    name="RAdam",
+    validate=validate_lr_eps_betas_wd,
+    init_leaf=zero_buffers("exp_avg", "exp_avg_sq"),
+    step_leaf=_step_leaf,
+)
 
 
 def radam(

@@ -10,22 +10,18 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay, squeeze_lr
 from functorch_optim._hyperparams import to_python
-from functorch_optim._tensor_lr import squeeze_lr
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._torch_ops import lerp_formula, op_casts, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr, eps, momentum = hp["lr"], hp["eps"], hp["momentum"]
     weight_decay, alpha = hp["weight_decay"], hp["alpha"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not momentum >= 0.0:
-        raise ValueError(f"Invalid momentum value: {momentum}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    check_lr(lr)
+    check_eps(eps)
+    check_momentum(momentum)
+    check_weight_decay(weight_decay)
     if not alpha >= 0.0:
         raise ValueError(f"Invalid alpha value: {alpha}")
     if momentum > 0 and not static["has_momentum"]:
@@ -44,31 +40,10 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
     return buffers
 
 
-def _lerp(start, end, weight):
-    """torch's ``lerp`` (``aten/src/ATen/native/Lerp.h``): exact at both ends."""
-    return jnp.where(
-        jnp.abs(weight) < 0.5, start + weight * (end - start), end - (end - start) * (1 - weight)
-    )
-
-
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
-    def a(x):
-        # torch's CPU ``add`` (tensor + scalar, or ``alpha=``) rounds the scalar to the
-        # tensor's dtype first (bf16!); mul/addcmul/addcdiv/lerp scalars stay float32
-        return c(jnp.asarray(x).astype(dtype))
-
-    def r(x):
-        return x.astype(dtype)
-
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    c, a, r = op_casts(dtype)
+    grad = signed_grad(grad, dtype, static["maximize"])
     lr, alpha, eps, wd = hp["lr"], hp["alpha"], hp["eps"], hp["weight_decay"]
     grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
@@ -77,7 +52,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     out = {"square_avg": square_avg}
     if static["centered"]:
         # grad_avg.lerp_(grad, 1 - alpha)
-        grad_avg = r(_lerp(c(buffers["grad_avg"]), c(grad), c(1 - alpha)))
+        grad_avg = r(lerp_formula(c(buffers["grad_avg"]), c(grad), c(1 - alpha)))
         out["grad_avg"] = grad_avg
         # avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
         avg = r(jnp.sqrt(c(r(c(square_avg) + c(-1.0) * c(grad_avg) * c(grad_avg)))))

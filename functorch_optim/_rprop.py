@@ -5,41 +5,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._tensor_lr import squeeze_lr
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._checks import check_lr, squeeze_lr
+from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr, etas = hp["lr"], hp["etas"]
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_lr(lr)
     if not 0.0 < etas[0] < 1.0 < etas[1]:
         raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
 
 
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    # ``step_size`` gets its value, lr, on the parameter's first gradient (torch's lazy state)
-    return {"prev": jnp.zeros_like(param), "step_size": jnp.zeros_like(param)}
-
-
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
-    def r(x):
-        return x.astype(dtype)
-
-    grad = grad.astype(dtype)
-    if static["maximize"]:
-        grad = -grad
+    c, _, r = op_casts(dtype)
+    grad = signed_grad(grad, dtype, static["maximize"])
     etaminus, etaplus = hp["etas"]
     step_size_min, step_size_max = hp["step_sizes"]
     # torch.full_like(grad, lr) when the state is created
@@ -58,7 +42,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, {"prev": grad, "step_size": step_size}
 
 
-RPROP_ALGORITHM = Algorithm(name="Rprop", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+# ``step_size`` gets its value, lr, on the parameter's first gradient (torch's lazy state)
+RPROP_ALGORITHM = Algorithm(
+    name="Rprop", validate=_validate, init_leaf=zero_buffers("prev", "step_size"), step_leaf=_step_leaf
+)
 
 
 def rprop(

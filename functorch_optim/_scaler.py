@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import STEP_ATTR
-from functorch_optim._base import step as _step
+from functorch_optim._nonfinite import step_if, update_branches
 from functorch_optim._tree import PyTree, is_none
 
 
@@ -186,46 +186,19 @@ class GradScaler:
           >>> params["w"].tolist(), float(state.scaler.scale)
           ([0.0], 4.0)
         """
-        inner_step = getattr(tx.update, STEP_ATTR, None)
-        extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
         def init(params):
             return LossScaleState(self.init(), tx.init(params))
 
         def update(grads, state, params=None, **extra_args):
             grads, sc = self.unscale(state.scaler, grads)
-            ok = sc.found_inf == 0
-
-            def do(inner):
-                if extra_ok:
-                    u, inner = tx.update(grads, inner, params, **extra_args)
-                else:
-                    u, inner = tx.update(grads, inner, params)
-                return jax.tree.map(lambda g, x: None if g is None else x, grads, u, is_leaf=is_none), inner
-
-            def skip(inner):
-                like = params if params is not None else grads
-                z = jax.tree.map(
-                    lambda g, p: None if g is None else jnp.zeros_like(p), grads, like, is_leaf=is_none
-                )
-                return z, inner
-
-            updates, inner = jax.lax.cond(ok, do, skip, state.inner_state)
+            do, skip = update_branches(tx, grads, params, extra_args)
+            updates, inner = jax.lax.cond(sc.found_inf == 0, do, skip, state.inner_state)
             return updates, LossScaleState(self.update(sc), inner)
 
         def step_fn(params, grads, state, **extra_args):
             grads, sc = self.unscale(state.scaler, grads)
-            ok = sc.found_inf == 0
-
-            def do(params, inner):
-                if inner_step is not None:
-                    return inner_step(params, grads, inner, **extra_args)
-                return _step(tx, params, grads, inner, **extra_args)
-
-            def skip(params, inner):
-                return params, inner
-
-            params, inner = jax.lax.cond(ok, do, skip, params, state.inner_state)
+            params, inner = step_if(sc.found_inf == 0, tx, params, grads, state.inner_state, extra_args)
             return params, LossScaleState(self.update(sc), inner)
 
         setattr(update, STEP_ATTR, step_fn)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import check_betas
+from functorch_optim._torch_ops import signed_grad, zero_buffers
 from functorch_optim._tree import opmath_dtype
 
 
@@ -20,15 +21,7 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not eps > 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-
-
-def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Array]:
-    del static
-    return {"exp_avg": jnp.zeros_like(param), "exp_avg_sq": jnp.zeros_like(param)}
+    check_betas((beta1, beta2))
 
 
 def _step_leaf(param, grad, buffers, step, hp, static):
@@ -36,9 +29,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     ct = opmath_dtype(dtype)
     hdt = jnp.result_type(hp["lr"])
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    g = grad.astype(dtype).astype(ct)
-    if static["maximize"]:
-        g = -g
+    g = signed_grad(grad, dtype, static["maximize"]).astype(ct)
     # The entries a sparse COO gradient (``grad.to_sparse()``) would carry.
     mask = g != 0
     old_m = buffers["exp_avg"].astype(ct)
@@ -64,7 +55,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 
 # torch's SparseAdam keeps ``step`` as a Python int
 SPARSE_ADAM_ALGORITHM = Algorithm(
-    name="SparseAdam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, torch_step="int"
+    name="SparseAdam",
+    validate=_validate,
+    init_leaf=zero_buffers("exp_avg", "exp_avg_sq"),
+    step_leaf=_step_leaf,
+    torch_step="int",
 )
 
 

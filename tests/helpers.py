@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -99,3 +99,38 @@ def run_torch(
         for name in buffer_names
     }
     return final, buffers
+
+
+def numpy_per_leaf(
+    params: Any,
+    grads: Sequence[Any],
+    rule: Callable[[np.ndarray, Any, dict[str, Any], int], np.ndarray],
+    init: Callable[[np.ndarray], dict[str, Any]] = lambda p: {},
+) -> tuple[Any, list[dict[str, Any]], list[int]]:
+    """Walk a gradient stream leaf by leaf in float64, with torch's lazy per-leaf state.
+
+    ``rule(p, g, s, t)`` returns the leaf's new parameter (``p`` float64, ``g`` the raw
+    gradient leaf, ``s`` the leaf's state dict from ``init(p)``, updated in place, ``t``
+    the leaf's step, 1 on its first gradient). A ``None`` gradient leaf is skipped, step
+    included. Returns ``(params, states, steps)``: the final tree and the per-leaf lists.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    ps = [np.array(p, np.float64) for p in leaves]
+    states = [init(p) for p in ps]
+    steps = [0] * len(ps)
+    for g_tree in grads:
+        for i, g in enumerate(treedef.flatten_up_to(g_tree)):
+            if g is None:
+                continue
+            steps[i] += 1
+            ps[i] = rule(ps[i], g, states[i], steps[i])
+    return treedef.unflatten(ps), states, steps
+
+
+def leaf_buffers(
+    params: Any, states: Sequence[Mapping[str, Any]], names: Mapping[str, str]
+) -> dict[str, Any]:
+    """``{buffer name: tree like params}`` from ``numpy_per_leaf``'s states (``names``:
+    buffer name -> state key)."""
+    treedef = jax.tree.structure(params)
+    return {name: treedef.unflatten([s[key] for s in states]) for name, key in names.items()}

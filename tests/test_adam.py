@@ -11,6 +11,7 @@ import torch
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
 from tests import adam_family as af
+from tests.helpers import leaf_buffers, numpy_per_leaf
 
 NAME = "adam"
 GRID = get_spec(NAME).grid
@@ -20,32 +21,27 @@ DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="f
 def numpy_adam(params, grads, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay):
     """Adam from the paper's formulas in float64 (torch's AMSGrad: max of the raw moment)."""
     b1, b2 = betas
-    leaves, treedef = jax.tree.flatten(params)
-    ps = [np.array(p, np.float64) for p in leaves]
-    st = [dict(t=0, m=np.zeros_like(p), v=np.zeros_like(p), vmax=np.zeros_like(p)) for p in ps]
-    for gtree in grads:
-        for i, g in enumerate(treedef.flatten_up_to(gtree)):
-            if g is None:
-                continue
-            s, p = st[i], ps[i]
-            s["t"] += 1
-            t = s["t"]
-            g = -g if maximize else g
-            if decoupled_weight_decay:
-                p = p * (1 - lr * weight_decay)
-            else:
-                g = g + weight_decay * p
-            s["m"] = b1 * s["m"] + (1 - b1) * g
-            s["v"] = b2 * s["v"] + (1 - b2) * g * g
-            s["vmax"] = np.maximum(s["vmax"], s["v"])
-            v = s["vmax"] if amsgrad else s["v"]
-            m_hat = s["m"] / (1 - b1**t)
-            v_hat = v / (1 - b2**t)
-            ps[i] = p - lr * m_hat / (np.sqrt(v_hat) + eps)
-    out = {"exp_avg": [s["m"] for s in st], "exp_avg_sq": [s["v"] for s in st]}
+
+    def rule(p, g, s, t):
+        g = -g if maximize else g
+        if decoupled_weight_decay:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+        s["vmax"] = np.maximum(s["vmax"], s["v"])
+        v = s["vmax"] if amsgrad else s["v"]
+        m_hat = s["m"] / (1 - b1**t)
+        v_hat = v / (1 - b2**t)
+        return p - lr * m_hat / (np.sqrt(v_hat) + eps)
+
+    init = lambda p: dict(m=np.zeros_like(p), v=np.zeros_like(p), vmax=np.zeros_like(p))
+    ps, st, _ = numpy_per_leaf(params, grads, rule, init)
+    names = {"exp_avg": "m", "exp_avg_sq": "v"}
     if amsgrad:
-        out["max_exp_avg_sq"] = [s["vmax"] for s in st]
-    return treedef.unflatten(ps), {k: treedef.unflatten(v) for k, v in out.items()}
+        names["max_exp_avg_sq"] = "vmax"
+    return ps, leaf_buffers(params, st, names)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
 from tests import adam_family as af
+from tests.helpers import leaf_buffers, numpy_per_leaf
 
 NAME = "adamax"
 GRID = get_spec(NAME).grid
@@ -20,21 +20,15 @@ DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="f
 def numpy_adamax(params, grads, lr, betas, eps, weight_decay, maximize):
     """Adamax (Kingma & Ba, section 7) in float64, eps inside the maximum as torch has it."""
     b1, b2 = betas
-    leaves, treedef = jax.tree.flatten(params)
-    ps = [np.array(p, np.float64) for p in leaves]
-    st = [dict(t=0, m=np.zeros_like(p), u=np.zeros_like(p)) for p in ps]
-    for gtree in grads:
-        for i, g in enumerate(treedef.flatten_up_to(gtree)):
-            if g is None:
-                continue
-            s = st[i]
-            s["t"] += 1
-            g = (-g if maximize else g) + weight_decay * ps[i]
-            s["m"] = b1 * s["m"] + (1 - b1) * g
-            s["u"] = np.maximum(b2 * s["u"], np.abs(g) + eps)
-            ps[i] = ps[i] - lr / (1 - b1 ** s["t"]) * s["m"] / s["u"]
-    out = {"exp_avg": [s["m"] for s in st], "exp_inf": [s["u"] for s in st]}
-    return treedef.unflatten(ps), {k: treedef.unflatten(v) for k, v in out.items()}
+
+    def rule(p, g, s, t):
+        g = (-g if maximize else g) + weight_decay * p
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["u"] = np.maximum(b2 * s["u"], np.abs(g) + eps)
+        return p - lr / (1 - b1**t) * s["m"] / s["u"]
+
+    ps, st, _ = numpy_per_leaf(params, grads, rule, lambda p: dict(m=np.zeros_like(p), u=np.zeros_like(p)))
+    return ps, leaf_buffers(params, st, {"exp_avg": "m", "exp_inf": "u"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -21,7 +21,7 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
-from tests.helpers import TREE_SHAPES, grad_stream, make_tree, rel_err, to_jax
+from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, to_jax
 
 ALGOS = ("adagrad", "adadelta", "rmsprop", "rprop", "asgd")
 STEPS = 50
@@ -274,21 +274,16 @@ NUMPY_RULES = {
 def _numpy_run(name, config, params, grads):
     """Independent float64 reference: the documented rule, per parameter, lazy state."""
     hp = {**_defaults(name), **config}
-    leaves, treedef = jax.tree.flatten(params)
-    ps = [np.array(p, np.float64) for p in leaves]
-    states = [{} for _ in ps]
+
+    def rule(p, g, s, t):
+        g = -np.asarray(g, np.float64) if hp["maximize"] else np.asarray(g, np.float64)
+        return NUMPY_RULES[name](p, g, s, t, hp)
+
     if name == "adagrad":  # torch builds Adagrad's state in its constructor
-        for p, s in zip(ps, states, strict=True):
-            s["sum"] = np.full_like(p, hp["initial_accumulator_value"])
-    steps = [0] * len(ps)
-    for g_tree in grads:
-        for i, g in enumerate(treedef.flatten_up_to(g_tree)):
-            if g is None:
-                continue
-            steps[i] += 1
-            g = -np.asarray(g, np.float64) if hp["maximize"] else np.asarray(g, np.float64)
-            ps[i] = NUMPY_RULES[name](ps[i], g, states[i], steps[i], hp)
-    return treedef.unflatten(ps), states, steps
+        return numpy_per_leaf(
+            params, grads, rule, lambda p: {"sum": np.full_like(p, hp["initial_accumulator_value"])}
+        )
+    return numpy_per_leaf(params, grads, rule)
 
 
 @pytest.mark.parametrize("name", ALGOS)

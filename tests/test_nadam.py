@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
 from tests import adam_family as af
+from tests.helpers import leaf_buffers, numpy_per_leaf
 
 NAME = "nadam"
 GRID = get_spec(NAME).grid
@@ -23,36 +23,28 @@ def numpy_nadam(
     """NAdam (Dozat 2016, torch's schedule) in float64; the running product mu_product is
     kept in float32, as torch keeps it in its default dtype."""
     b1, b2 = betas
-    leaves, treedef = jax.tree.flatten(params)
-    ps = [np.array(p, np.float64) for p in leaves]
-    st = [dict(t=0, m=np.zeros_like(p), v=np.zeros_like(p), mu_prod=np.float32(1.0)) for p in ps]
-    for gtree in grads:
-        for i, g in enumerate(treedef.flatten_up_to(gtree)):
-            if g is None:
-                continue
-            s, p = st[i], ps[i]
-            s["t"] += 1
-            t = s["t"]
-            g = -g if maximize else g
-            if decoupled_weight_decay:
-                p = p * (1 - lr * weight_decay)
-            else:
-                g = g + weight_decay * p
-            mu = b1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))
-            mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * momentum_decay))
-            s["mu_prod"] = np.float32(s["mu_prod"] * np.float32(mu))
-            prod = float(s["mu_prod"])
-            s["m"] = b1 * s["m"] + (1 - b1) * g
-            s["v"] = b2 * s["v"] + (1 - b2) * g * g
-            denom = np.sqrt(s["v"] / (1 - b2**t)) + eps
-            p = p - lr * (1 - mu) / (1 - prod) * g / denom
-            ps[i] = p - lr * mu_next / (1 - prod * mu_next) * s["m"] / denom
-    out = {
-        "exp_avg": [s["m"] for s in st],
-        "exp_avg_sq": [s["v"] for s in st],
-        "mu_product": [np.asarray(s["mu_prod"]) for s in st],
-    }
-    return treedef.unflatten(ps), {k: treedef.unflatten(v) for k, v in out.items()}
+
+    def rule(p, g, s, t):
+        g = -g if maximize else g
+        if decoupled_weight_decay:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        mu = b1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))
+        mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * momentum_decay))
+        s["mu_prod"] = np.float32(s["mu_prod"] * np.float32(mu))
+        prod = float(s["mu_prod"])
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+        denom = np.sqrt(s["v"] / (1 - b2**t)) + eps
+        p = p - lr * (1 - mu) / (1 - prod) * g / denom
+        return p - lr * mu_next / (1 - prod * mu_next) * s["m"] / denom
+
+    init = lambda p: dict(m=np.zeros_like(p), v=np.zeros_like(p), mu_prod=np.float32(1.0))
+    ps, st, _ = numpy_per_leaf(params, grads, rule, init)
+    for s in st:
+        s["mu_prod"] = np.asarray(s["mu_prod"])
+    return ps, leaf_buffers(params, st, {"exp_avg": "m", "exp_avg_sq": "v", "mu_product": "mu_prod"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

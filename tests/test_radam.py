@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
 from tests import adam_family as af
+from tests.helpers import leaf_buffers, numpy_per_leaf
 
 NAME = "radam"
 GRID = get_spec(NAME).grid
@@ -21,32 +21,24 @@ def numpy_radam(params, grads, lr, betas, eps, weight_decay, decoupled_weight_de
     """RAdam (Liu et al. 2020, torch's form: eps scaled by sqrt(1 - beta2^t)) in float64."""
     b1, b2 = betas
     rho_inf = 2 / (1 - b2) - 1
-    leaves, treedef = jax.tree.flatten(params)
-    ps = [np.array(p, np.float64) for p in leaves]
-    st = [dict(t=0, m=np.zeros_like(p), v=np.zeros_like(p)) for p in ps]
-    for gtree in grads:
-        for i, g in enumerate(treedef.flatten_up_to(gtree)):
-            if g is None:
-                continue
-            s, p = st[i], ps[i]
-            s["t"] += 1
-            t = s["t"]
-            g = -g if maximize else g
-            if decoupled_weight_decay:
-                p = p * (1 - lr * weight_decay)
-            else:
-                g = g + weight_decay * p
-            s["m"] = b1 * s["m"] + (1 - b1) * g
-            s["v"] = b2 * s["v"] + (1 - b2) * g * g
-            m_hat = s["m"] / (1 - b1**t)
-            rho_t = rho_inf - 2 * t * b2**t / (1 - b2**t)
-            if rho_t > 5:
-                r = np.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-                ps[i] = p - lr * m_hat * r * np.sqrt(1 - b2**t) / (np.sqrt(s["v"]) + eps)
-            else:
-                ps[i] = p - lr * m_hat
-    out = {"exp_avg": [s["m"] for s in st], "exp_avg_sq": [s["v"] for s in st]}
-    return treedef.unflatten(ps), {k: treedef.unflatten(v) for k, v in out.items()}
+
+    def rule(p, g, s, t):
+        g = -g if maximize else g
+        if decoupled_weight_decay:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+        m_hat = s["m"] / (1 - b1**t)
+        rho_t = rho_inf - 2 * t * b2**t / (1 - b2**t)
+        if rho_t > 5:
+            r = np.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            return p - lr * m_hat * r * np.sqrt(1 - b2**t) / (np.sqrt(s["v"]) + eps)
+        return p - lr * m_hat
+
+    ps, st, _ = numpy_per_leaf(params, grads, rule, lambda p: dict(m=np.zeros_like(p), v=np.zeros_like(p)))
+    return ps, leaf_buffers(params, st, {"exp_avg": "m", "exp_avg_sq": "v"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

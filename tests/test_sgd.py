@@ -12,7 +12,7 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
-from tests.helpers import TREE_SHAPES, grad_stream, make_tree, rel_err, run_torch, to_jax
+from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, run_torch, to_jax
 
 STEPS = 30
 GRID = get_spec("sgd").grid
@@ -74,21 +74,17 @@ def test_parity_with_torch_over_grid(shape, dtype):
 
 def _numpy_sgd(params, grads, lr, momentum, dampening, weight_decay, nesterov, maximize):
     """Independent float64 reference: torch's documented rule with per-parameter state."""
-    leaves, treedef = jax.tree.flatten(params)
-    ps = [np.array(p, np.float64) for p in leaves]
-    bufs = [None] * len(ps)
-    for g_tree in grads:
-        for i, g in enumerate(treedef.flatten_up_to(g_tree)):
-            if g is None:
-                continue
-            g = -np.asarray(g, np.float64) if maximize else np.asarray(g, np.float64)
-            if weight_decay:
-                g = g + weight_decay * ps[i]
-            if momentum:
-                bufs[i] = g.copy() if bufs[i] is None else momentum * bufs[i] + (1 - dampening) * g
-                g = g + momentum * bufs[i] if nesterov else bufs[i]
-            ps[i] = ps[i] - lr * g
-    return treedef.unflatten(ps)
+
+    def rule(p, g, s, t):
+        g = -np.asarray(g, np.float64) if maximize else np.asarray(g, np.float64)
+        if weight_decay:
+            g = g + weight_decay * p
+        if momentum:
+            s["buf"] = g.copy() if "buf" not in s else momentum * s["buf"] + (1 - dampening) * g
+            g = g + momentum * s["buf"] if nesterov else s["buf"]
+        return p - lr * g
+
+    return numpy_per_leaf(params, grads, rule)[0]
 
 
 @pytest.mark.parametrize("config", GRID[::3], ids=_cid)

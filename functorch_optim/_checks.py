@@ -1,0 +1,104 @@
+"""torch's common constructor checks, with torch's exact texts, shared by every factory.
+
+Each check is written as torch writes it (``if not 0.0 <= lr``), so a NaN is rejected
+where torch rejects it; a check whose torch form differs (SGD's ``if lr < 0.0``,
+SparseAdam's strict ``lr > 0``) stays in its own module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_lr(lr: Any) -> None:
+    """Raises ``ValueError: Invalid learning rate: {lr}`` unless ``lr >= 0``."""
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_eps(eps: Any) -> None:
+    """Raises ``ValueError: Invalid epsilon value: {eps}`` unless ``eps >= 0``."""
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+
+
+def check_momentum(momentum: Any) -> None:
+    """Raises ``ValueError: Invalid momentum value: {momentum}`` unless ``momentum >= 0``."""
+    if not momentum >= 0.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+
+
+def check_weight_decay(weight_decay: Any) -> None:
+    """Raises ``ValueError: Invalid weight_decay value: {wd}`` unless ``weight_decay >= 0``."""
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_betas(betas: Any) -> None:
+    """Raises ``ValueError: Invalid beta parameter at index {i}: {beta}`` unless each
+    beta is in ``[0, 1)``."""
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+
+
+def validate_lr_eps_betas_wd(hp: Mapping[str, Any], static: Mapping[str, Any] | None = None) -> None:
+    """torch's checks, in torch's order, shared by Adam, AdamW, Adamax, NAdam and RAdam
+    (an ``Algorithm.validate``: ``static`` is unused)."""
+    check_lr(hp["lr"])
+    check_eps(hp["eps"])
+    check_betas(hp["betas"])
+    check_weight_decay(hp["weight_decay"])
+
+
+# ------------------------------------------------------------------ array hyperparameters
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether a hyperparameter is given as an array (torch's "Tensor" hyperparameters)."""
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def tensor_to_scalar(name: str, x: Any) -> Any:
+    """torch's ``_to_scalar``: a 1-element array becomes 0-d; any other size is rejected.
+
+    Raises:
+      ValueError: ``Tensor {name} must be 1-element`` (torch's text).
+    """
+    if is_tensor(x):
+        if np.size(x) != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        return jnp.reshape(x, ())
+    return x
+
+
+def betas_to_scalars(betas: Any) -> tuple[Any, Any]:
+    """``betas`` as a pair of scalars (1-element arrays squeezed, as torch does)."""
+    if callable(betas) or not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2) of numbers or 0-d arrays, got {betas!r}")
+    return (tensor_to_scalar("betas[0]", betas[0]), tensor_to_scalar("betas[1]", betas[1]))
+
+
+def squeeze_lr(lr: Any) -> Any:
+    """``lr`` as torch accepts it: a number, a schedule, or a 1-element array (squeezed).
+
+    torch's constructors start with ``if isinstance(lr, Tensor) and lr.numel() != 1``
+    and later squeeze a 1-element tensor to 0-d (``_to_scalar``); this does both for any
+    array-like (JAX, NumPy or torch).
+
+    Raises:
+      ValueError: ``Tensor lr must be 1-element`` (torch's text) for an array whose size
+        is not 1.
+    """
+    shape = getattr(lr, "shape", None)
+    if shape is None or callable(lr):
+        return lr
+    if math.prod(shape) != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    return lr.reshape(()) if len(shape) else lr
