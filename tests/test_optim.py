@@ -908,3 +908,150 @@ def test_registered_optimizer_facade_state_dict_matches_torch(spec, config):
         resumed.grad = grads
         resumed.step()
     assert rel_err(resumed.params, [tt.detach().numpy() for tt in ts]) <= 1e-10
+
+
+# ---------------------------------------------------------------------------------------
+# LBFGS: the closure-driven facade, against torch.optim.LBFGS
+# ---------------------------------------------------------------------------------------
+
+_LB_RNG = np.random.default_rng(5)
+_LB_M = _LB_RNG.standard_normal((6, 6))
+_LB_A = _LB_M @ _LB_M.T + 0.5 * np.eye(6)
+_LB_B = _LB_RNG.standard_normal(6)
+_LB_X0 = [np.array([[-1.2, 1.0], [-0.5, 0.8]]), np.array([0.3, -0.7])]
+_LB_CASES = [
+    pytest.param({"lr": 0.5, "max_iter": 5, "history_size": 4}, 0.0, id="fixed-quadratic"),
+    pytest.param(
+        {"max_iter": 5, "history_size": 4, "line_search_fn": "strong_wolfe"}, 1.0, id="wolfe-rosenbrock"
+    ),
+]
+
+
+def _lb_objective(x, rosen, xp):
+    """A deterministic quadratic plus ``rosen`` times Rosenbrock, of the flat vector ``x``."""
+    return (
+        0.5 * x @ (xp.asarray(_LB_A) @ x)
+        - xp.asarray(_LB_B) @ x
+        + rosen * xp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+    )
+
+
+def _lb_closure(rosen):
+    return lambda p: _lb_objective(jnp.concatenate([p[0].reshape(-1), p[1]]), rosen, jnp)
+
+
+def _lb_torch(cfg, rosen, x0=_LB_X0):
+    ts = [torch.tensor(x).requires_grad_(True) for x in x0]
+    opt = torch.optim.LBFGS(ts, **cfg)
+
+    def closure():
+        opt.zero_grad()
+        loss = _lb_objective(torch.cat([ts[0].reshape(-1), ts[1]]), rosen, torch)
+        loss.backward()
+        return loss
+
+    return ts, opt, closure
+
+
+def _lb_err(ours, ts):
+    return max(
+        float(np.max(np.abs(np.asarray(a) - t.detach().numpy()))) for a, t in zip(ours, ts, strict=True)
+    )
+
+
+@pytest.mark.parametrize(("cfg", "rosen"), _LB_CASES)
+def test_lbfgs_facade_matches_torch_step_by_step(cfg, rosen):
+    from functorch_optim.optim import LBFGS
+
+    ts, t_opt, t_closure = _lb_torch(cfg, rosen)
+    opt = LBFGS(_LB_X0, **cfg)
+    closure = _lb_closure(rosen)
+    for _ in range(5):
+        t_loss = t_opt.step(t_closure)
+        loss = opt.step(closure)
+        assert abs(float(loss) - t_loss.item()) <= 1e-10 * max(1.0, abs(t_loss.item()))
+        assert _lb_err(opt.params, ts) <= 1e-10
+    ours, theirs = opt.state_dict(), t_opt.state_dict()
+    assert sorted(ours["state"]) == sorted(theirs["state"]) == [0]
+    assert ours["param_groups"] == theirs["param_groups"]
+    o, t = ours["state"][0], theirs["state"][0]
+    assert sorted(o) == sorted(t)
+    assert (o["func_evals"], o["n_iter"]) == (t["func_evals"], t["n_iter"])
+    for name in ("d", "prev_flat_grad", "H_diag"):
+        assert rel_err(o[name], t[name].numpy()) <= 1e-8, name
+    for name in ("old_dirs", "old_stps", "ro"):
+        assert len(o[name]) == len(t[name])
+        assert rel_err(np.stack(o[name]), torch.stack(t[name]).numpy()) <= 1e-8, name
+    assert abs(o["t"] - float(t["t"])) <= 1e-10 and abs(o["prev_loss"] - t["prev_loss"]) <= 1e-10
+    assert [a is None for a in o["al"]] == [a is None for a in t["al"]]
+
+
+@pytest.mark.parametrize(("cfg", "rosen"), _LB_CASES)
+def test_lbfgs_facade_resumes_torch_and_torch_resumes_it(cfg, rosen):
+    from functorch_optim.optim import LBFGS
+
+    closure = _lb_closure(rosen)
+    # reference: six torch steps, state after three
+    ts, t_opt, t_closure = _lb_torch(cfg, rosen)
+    for _ in range(3):
+        t_opt.step(t_closure)
+    mid_sd = copy.deepcopy(t_opt.state_dict())
+    mid_params = [t.detach().numpy().copy() for t in ts]
+    for _ in range(3):
+        t_opt.step(t_closure)
+    # torch -> ours: three more steps from torch's state equal torch's six
+    opt = LBFGS(mid_params, **cfg)
+    opt.load_state_dict(mid_sd)
+    for _ in range(3):
+        opt.step(closure)
+    assert _lb_err(opt.params, ts) <= 1e-10
+    # ours -> torch: three of ours, exported, three in torch equal torch's six
+    ours = LBFGS(_LB_X0, **cfg)
+    for _ in range(3):
+        ours.step(closure)
+    ts2, t_opt2, t_closure2 = _lb_torch(cfg, rosen, [np.asarray(x) for x in ours.params])
+    t_opt2.load_state_dict(state_dict_to_torch(ours.state_dict()))
+    for _ in range(3):
+        t_opt2.step(t_closure2)
+    assert _lb_err([t.detach().numpy() for t in ts2], ts) <= 1e-10
+
+
+def test_lbfgs_facade_groups_hparams_and_errors():
+    from functorch_optim.optim import LBFGS
+
+    assert list(inspect.signature(LBFGS).parameters) == list(inspect.signature(torch.optim.LBFGS).parameters)
+    with pytest.raises(ValueError, match=r"LBFGS doesn't support per-parameter options \(parameter groups\)"):
+        LBFGS([{"params": [jnp.ones(2)]}, {"params": [jnp.ones(2)], "lr": 0.1}])
+    with pytest.raises(ValueError, match="Invalid learning rate: -1"):
+        LBFGS([jnp.ones(2)], lr=-1)
+    opt = LBFGS([{"params": {"x": jnp.zeros(3)}, "lr": 0.25}], max_iter=4)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["max_iter"], group["max_eval"]) == (0.25, 4, 5)
+    assert opt.state_dict() == {"state": {}, "param_groups": [{**opt.defaults, "lr": 0.25, "params": [0]}]}
+    opt.zero_grad()  # no gradients to reset: the closure computes them
+
+    def closure(p):
+        return jnp.sum((p["x"] - 1.0) ** 2)
+
+    opt.step(closure)
+    compiled = opt_compiles()
+    opt.param_groups[0]["lr"] = 0.5  # numeric: same compiled step
+    opt.step(closure)
+    assert opt_compiles() == compiled
+    assert float(fo.get_hparams(opt.state)["lr"]) == 0.5
+    # structural: rebuilt, the history carried over into the new ring buffers
+    before = opt.state_dict()["state"][0]
+    opt.param_groups[0]["history_size"] = 7
+    opt.param_groups[0]["line_search_fn"] = "strong_wolfe"
+    opt.step(closure)
+    assert opt.state.old_dirs.shape == (7, 3)
+    assert int(opt.state.n_iter) > before["n_iter"]
+    assert opt.state_dict()["param_groups"][0]["line_search_fn"] == "strong_wolfe"
+    with pytest.raises(ValueError, match="loaded state dict has a different number of parameter groups"):
+        opt.load_state_dict({"state": {}, "param_groups": []})
+
+
+def opt_compiles():
+    from functorch_optim.optim._lbfgs import _STEP as LBFGS_STEP
+
+    return LBFGS_STEP._cache_size()

@@ -9,7 +9,8 @@ Port a PyTorch loop line by line::
         opt.step()
 
 Every functional optimizer of the package has its class here under torch's class name,
-made by ``make_optimizer_class`` (one line each). ``lr_scheduler`` (torch's schedulers
+made by ``make_optimizer_class`` (one line each); ``LBFGS``, closure-driven, is its own
+small class whose closure is a pure ``closure(params) -> loss``. ``lr_scheduler`` (torch's schedulers
 driving ``param_groups``) is a submodule.
 """
 
@@ -27,6 +28,7 @@ from functorch_optim._rmsprop import rmsprop
 from functorch_optim._rprop import rprop
 from functorch_optim._sgd import sgd
 from functorch_optim._sparse_adam import sparse_adam
+from functorch_optim.optim._lbfgs import LBFGS  # closure-driven, one global state: its own class
 from functorch_optim.optim._optimizer import (
     GroupedParams,
     Optimizer,
@@ -71,6 +73,7 @@ SparseAdam = make_optimizer_class(sparse_adam)
 
 __all__ = [
     "ASGD",
+    "LBFGS",
     "SGD",
     "Adadelta",
     "Adafactor",

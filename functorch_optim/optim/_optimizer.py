@@ -839,6 +839,8 @@ def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     def tensor(v: Any) -> Any:
         if isinstance(v, np.ndarray | np.generic | jax.Array):
             return torch.from_numpy(np.array(v, copy=True))
+        if isinstance(v, list | tuple):  # LBFGS's history lists
+            return type(v)(tensor(x) for x in v)
         return v
 
     def number(v: Any) -> Any:

@@ -1,0 +1,347 @@
+"""``torch.optim.LBFGS`` as an imperative class over the functional ``lbfgs``.
+
+Small and separate from ``Optimizer``: LBFGS has one parameter group, no gradients to
+hold (the closure supplies them) and one global state, which torch keeps under its
+first parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functorch_optim._hyperparams import set_hparams, to_python
+from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
+from functorch_optim._tree import PyTree, check_params
+from functorch_optim.optim._optimizer import _same
+
+#: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
+_ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
+#: Those living in the functional state (``set_hparams``: no recompilation).
+_NUMERIC = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change")
+
+
+def _run(tx, closure, params, state):
+    return lbfgs_step(tx, closure, params, state)
+
+
+# compiled once per (transformation, closure) pair; params and state donated
+_STEP = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2, 3))
+
+
+def _np(x: Any) -> Any:
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _own(tree: PyTree) -> PyTree:
+    # distinct buffers per leaf (init shares its zeros), as donation requires
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _scalar(x: Any) -> float:
+    return float(_np(x))
+
+
+class LBFGS:
+    """``torch.optim.LBFGS`` on JAX: the imperative facade over ``functorch_optim.lbfgs``.
+
+    ``LBFGS(params, lr=1, max_iter=20, max_eval=None, tolerance_grad=1e-7,
+    tolerance_change=1e-9, history_size=100, line_search_fn=None)`` — torch's
+    arguments, names and defaults (``max_eval=None`` becomes ``max_iter * 5 // 4``, as
+    torch stores it). ``params`` is one pytree of floating point arrays (copied);
+    ``opt.params`` returns the current ones. Parameter order (torch's numbering, the
+    flat vectors' layout) is ``jax.tree.leaves`` order.
+
+    The one difference from torch is the closure. torch's closure re-evaluates the
+    model and calls ``loss.backward()``; here it must be a pure, jittable function of
+    the parameters, ``closure(params) -> scalar loss``, whose gradient comes from
+    ``jax.value_and_grad``. ``step(closure)`` runs one whole torch
+    ``step(closure)`` (up to ``max_iter`` iterations, the line search included) in one
+    jitted call, compiled once per closure object: pass the same function every step
+    (to feed new data, close over it in a ``jax.tree_util.Partial`` made once, or
+    rebuild the closure and accept a recompilation).
+
+    Attributes:
+      param_groups: a list with torch's one group dict: ``"params"`` (the current
+        parameters) and every argument above. Assigning ``lr``, ``max_iter``,
+        ``max_eval``, ``tolerance_grad`` or ``tolerance_change`` takes effect on the next
+        ``step()`` without recompiling; ``history_size`` or ``line_search_fn`` rebuilds
+        the transformation (one recompilation), keeping the history.
+      defaults: the constructor's arguments, like torch's ``defaults``.
+
+    Raises:
+      ValueError: ``LBFGS doesn't support per-parameter options (parameter groups)``
+        (torch's text) for a list of group dicts other than a single one;
+        ``Invalid learning rate: {lr}``; ``optimizer got an empty parameter list``.
+      RuntimeError: ``only 'strong_wolfe' is supported`` for another ``line_search_fn``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from functorch_optim.optim import LBFGS
+      >>> opt = LBFGS({"x": jnp.zeros(2)})
+      >>> def closure(params):
+      ...     return jnp.sum((params["x"] - 3.0) ** 2)
+      >>> float(opt.step(closure))
+      18.0
+      >>> opt.params["x"].tolist()
+      [3.0, 3.0]
+      >>> sorted(opt.state_dict()["state"][0])[:3]
+      ['H_diag', 'al', 'd']
+
+    Note:
+      The parameters and state are donated to the jitted step: arrays read from
+      ``opt.params`` or ``opt.state`` before a ``step()`` are deleted by it. The flat
+      state vectors follow ``jax.flatten_util.ravel_pytree`` (leaves raveled in tree
+      order), which is torch's layout for the same leaves in the same order.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: Any = 1,
+        max_iter: int = 20,
+        max_eval: int | None = None,
+        tolerance_grad: float = 1e-7,
+        tolerance_change: float = 1e-9,
+        history_size: int = 100,
+        line_search_fn: str | None = None,
+    ) -> None:
+        if max_eval is None:
+            max_eval = max_iter * 5 // 4
+        config = dict(
+            zip(
+                _ARGS,
+                (lr, max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn),
+                strict=True,
+            )
+        )
+        self.defaults = dict(config)
+        if (
+            isinstance(params, list | tuple)
+            and params
+            and all(isinstance(g, Mapping) and "params" in g for g in params)
+        ):
+            if len(params) != 1:
+                raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
+            config.update({k: v for k, v in params[0].items() if k != "params"})
+            params = params[0]["params"]
+        if not jax.tree.leaves(params):
+            raise ValueError("optimizer got an empty parameter list")
+        check_params(params)
+        tx = lbfgs(**config)
+        self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        self._tx = tx
+        self._state = _own(tx.init(self._params))
+        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **config}]
+        self._applied = dict(config)
+
+    # -- parameters and state -------------------------------------------------------------
+
+    @property
+    def params(self) -> PyTree:
+        """The current parameters, in the structure given to the constructor."""
+        return self._params
+
+    @property
+    def state(self) -> LBFGSState:
+        """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history)."""
+        return self._state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Does nothing: the closure's gradient is computed fresh at every evaluation.
+
+        Kept so that torch code calling ``optimizer.zero_grad()`` ports unchanged.
+
+        Args:
+          set_to_none: accepted for torch compatibility; no effect.
+        """
+        del set_to_none
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[PyTree], Any]) -> jax.Array:
+        """One ``torch.optim.LBFGS.step(closure)``: up to ``max_iter`` iterations, jitted.
+
+        Applies changed ``param_groups`` values first (torch's messages; on an error
+        nothing changes).
+
+        Args:
+          closure: a pure, jittable ``closure(params) -> scalar loss`` (not torch's
+            side-effecting ``() -> loss``: no ``backward`` — the gradient comes from
+            ``jax.value_and_grad``). Compiled once per function object.
+
+        Returns:
+          The loss at the parameters the step started from (torch's ``orig_loss``), a
+          0-d array.
+        """
+        self._sync_group()
+        params, state, loss = _STEP(self._tx, closure, self._params, self._state)
+        self._params, self._state = params, state
+        self.param_groups[0]["params"] = params
+        return loss
+
+    def _sync_group(self) -> None:
+        group = self.param_groups[0]
+        changed = {k: group[k] for k in _ARGS if not _same(group[k], self._applied[k])}
+        if not changed:
+            return
+        if any(k not in _NUMERIC for k in changed):
+            self._rebuild({k: group[k] for k in _ARGS})
+        else:
+            self._state = set_hparams(self._state, **changed)
+            self._applied.update(changed)
+
+    def _rebuild(self, config: Mapping[str, Any]) -> None:
+        """A new transformation for changed static flags; the state carried over by torch's layout."""
+        entry = self._torch_entry()
+        tx = lbfgs(**config)
+        state = self._state_from_entry(tx, entry)
+        self._tx, self._state = tx, state
+        self._applied = dict(config)
+
+    # -- torch's state_dict ---------------------------------------------------------------
+
+    def _torch_entry(self) -> dict[str, Any]:
+        """torch's global state dict (kept under the first parameter), host copies."""
+        st = jax.device_get(self._state)
+        n_iter, func_evals = int(st.n_iter), int(st.func_evals)
+        if n_iter == 0 and func_evals == 0:
+            return {}
+        entry: dict[str, Any] = {"func_evals": func_evals, "n_iter": n_iter}
+        if n_iter == 0:  # the first gradient was already optimal: torch stopped there
+            return entry
+        old_dirs, old_stps, ro = st.history()
+        num_old = ro.shape[0]
+        entry.update(
+            d=np.array(st.d, copy=True),
+            t=float(st.t),
+            old_dirs=[np.array(v, copy=True) for v in old_dirs],
+            old_stps=[np.array(v, copy=True) for v in old_stps],
+            ro=[np.array(v, copy=True) for v in ro],
+            H_diag=1 if int(st.history_count) == 0 else np.array(st.H_diag, copy=True),
+            prev_flat_grad=np.array(st.prev_flat_grad, copy=True),
+            prev_loss=float(st.prev_loss),
+        )
+        if n_iter >= 2:
+            # torch's scratch list of the last two-loop recursion, recomputed from the
+            # state it ran on (prev_flat_grad and the history are that iteration's)
+            size = st.ro.shape[0]
+            al: list[Any] = [None] * size
+            q = -np.asarray(st.prev_flat_grad)
+            for i in range(num_old - 1, -1, -1):
+                al[i] = np.asarray(old_stps[i] @ q * ro[i])
+                q = q - al[i] * old_dirs[i]
+            entry["al"] = al
+        return entry
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's ``LBFGS`` layout, with NumPy arrays and Python numbers.
+
+        ``{"state": {0: {...}}, "param_groups": [{"lr": …, …, "params": [0, 1, …]}]}``:
+        torch keeps LBFGS's global state under its first parameter: ``func_evals``,
+        ``n_iter`` (ints); after an iteration also ``d``, ``t`` (float), ``old_dirs``,
+        ``old_stps``, ``ro`` (lists, oldest first), ``H_diag`` (``1`` until a pair is
+        stored, then a 0-d array), ``prev_flat_grad``, ``prev_loss`` (float); from the
+        second iteration on ``al`` (torch's scratch list, recomputed). Empty before the
+        first step. Load it into ``torch.optim.LBFGS`` with ``state_dict_to_torch``.
+
+        Returns:
+          The state dict; it can be pickled, and loaded by ``load_state_dict``.
+        """
+        entry = self._torch_entry()
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(jax.tree.leaves(self._params))))
+        return {"state": {0: entry} if entry else {}, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict in torch's layout: this class's own or ``torch.optim.LBFGS``'s.
+
+        The saved group's hyperparameters replace the current ones (torch's behavior);
+        the saved history becomes the ring buffers. ``LBFGSState.count`` (not part of
+        torch's state) is kept.
+
+        Args:
+          state_dict: ``{"state": {...}, "param_groups": [one group]}``, arrays as
+            NumPy, JAX or torch tensors.
+
+        Raises:
+          ValueError: ``loaded state dict has a different number of parameter groups``,
+            ``loaded state dict contains a parameter group that doesn't match the size of
+            optimizer's group`` (torch's texts); a vector whose length differs from the
+            parameters' or a history longer than ``history_size``. Nothing changes when
+            it raises.
+        """
+        groups = list(state_dict["param_groups"])
+        if len(groups) != 1:
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        saved = groups[0]
+        if len(saved["params"]) != len(jax.tree.leaves(self._params)):
+            raise ValueError(
+                "loaded state dict contains a parameter group "
+                "that doesn't match the size of optimizer's group"
+            )
+        entries = dict(state_dict["state"])
+        first = saved["params"][0]
+        entry = entries.get(first, {})
+        config = {k: self.param_groups[0][k] for k in _ARGS}
+        config.update({k: copy.deepcopy(saved[k]) for k in _ARGS if k in saved})
+        config = {k: to_python(v) if k in _NUMERIC else v for k, v in config.items()}
+        tx = lbfgs(**config)
+        state = self._state_from_entry(tx, entry)
+        extra = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _ARGS and k != "params"}
+        self._tx, self._state = tx, state
+        self.param_groups[0] = {**self.param_groups[0], **extra, **config, "params": self._params}
+        self._applied = dict(config)
+
+    def _state_from_entry(self, tx: Any, entry: Mapping[str, Any]) -> LBFGSState:
+        fresh = tx.init(self._params)
+        fields: dict[str, Any] = {"count": self._state.count}
+        if not entry:
+            return _own(fresh._replace(**fields))
+        fields["func_evals"] = jnp.asarray(int(entry.get("func_evals", 0)), jnp.int32)
+        fields["n_iter"] = jnp.asarray(int(entry.get("n_iter", 0)), jnp.int32)
+        if "d" in entry:
+            n, dtype = fresh.d.shape[0], fresh.d.dtype
+            size = fresh.ro.shape[0]
+
+            def vector(name: str, value: Any) -> jax.Array:
+                v = _np(value).reshape(-1)
+                if v.shape != (n,):
+                    raise ValueError(
+                        f"loaded state dict: {name} has {v.shape[0]} entries, the parameters have {n}"
+                    )
+                return jnp.asarray(v, dtype)
+
+            dirs, stps, ro = list(entry["old_dirs"]), list(entry["old_stps"]), list(entry["ro"])
+            if len(ro) > size:
+                raise ValueError(f"loaded state dict: {len(ro)} history pairs, more than history_size={size}")
+            old_dirs, old_stps, ro_buf = fresh.old_dirs, fresh.old_stps, fresh.ro
+            for i, (y, s, r) in enumerate(zip(dirs, stps, ro, strict=True)):
+                old_dirs = old_dirs.at[i].set(vector("old_dirs", y))
+                old_stps = old_stps.at[i].set(vector("old_stps", s))
+                ro_buf = ro_buf.at[i].set(jnp.asarray(_scalar(r), dtype))
+            fields.update(
+                d=vector("d", entry["d"]),
+                t=jnp.asarray(_scalar(entry["t"]), fresh.t.dtype),
+                old_dirs=old_dirs,
+                old_stps=old_stps,
+                ro=ro_buf,
+                history_count=jnp.asarray(len(ro), jnp.int32),
+                H_diag=jnp.asarray(_scalar(entry["H_diag"]), fresh.H_diag.dtype),
+                prev_flat_grad=vector("prev_flat_grad", entry["prev_flat_grad"]),
+                prev_loss=jnp.asarray(_scalar(entry["prev_loss"]), fresh.prev_loss.dtype),
+            )
+        return _own(fresh._replace(**fields))
+
+    def __repr__(self) -> str:
+        group = self.param_groups[0]
+        lines = ["LBFGS (", "Parameter Group 0"]
+        lines.extend(f"    {k}: {group[k]}" for k in sorted(group) if k != "params")
+        return "\n".join(lines) + "\n)"
