@@ -11,7 +11,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._hyperparams import to_python
-from functorch_optim._tree import opmath_dtype
+from functorch_optim._torch_ops import caster, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -37,17 +37,11 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
 
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
-    ct = opmath_dtype(dtype)
-
-    def c(x):
-        return jnp.asarray(x).astype(ct)
-
+    c = caster(dtype)
     wd = hp["weight_decay"]
 
     def effective_grad(param, grad):
-        grad = grad.astype(dtype)
-        if static["maximize"]:
-            grad = -grad
+        grad = signed_grad(grad, dtype, static["maximize"])
         # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
         return jnp.where(wd != 0, (c(grad) + c(wd) * c(param)).astype(dtype), grad)
 

@@ -4,42 +4,7 @@ A thin re-export of ``functorch_optim._lr_scheduler`` so that it sits where torc
 look for it (``torch.optim.lr_scheduler`` -> ``functorch_optim.optim.lr_scheduler``).
 """
 
-from functorch_optim._lr_scheduler import (
-    SWALR,
-    ChainedScheduler,
-    ConstantLR,
-    CosineAnnealingLR,
-    CosineAnnealingWarmRestarts,
-    CyclicLR,
-    ExponentialLR,
-    LambdaLR,
-    LinearLR,
-    LRScheduler,
-    MultiplicativeLR,
-    MultiStepLR,
-    OneCycleLR,
-    PolynomialLR,
-    ReduceLROnPlateau,
-    SequentialLR,
-    StepLR,
-)
+from functorch_optim import _lr_scheduler
+from functorch_optim._lr_scheduler import *  # noqa: F403  (the classes; the names: __all__)
 
-__all__ = [
-    "SWALR",
-    "ChainedScheduler",
-    "ConstantLR",
-    "CosineAnnealingLR",
-    "CosineAnnealingWarmRestarts",
-    "CyclicLR",
-    "ExponentialLR",
-    "LRScheduler",
-    "LambdaLR",
-    "LinearLR",
-    "MultiStepLR",
-    "MultiplicativeLR",
-    "OneCycleLR",
-    "PolynomialLR",
-    "ReduceLROnPlateau",
-    "SequentialLR",
-    "StepLR",
-]
+__all__ = list(_lr_scheduler.__all__)
