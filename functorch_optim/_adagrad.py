@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_eps, check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._checks import check_eps, check_fused_flags, check_lr, check_weight_decay, squeeze_lr
 from functorch_optim._hyperparams import to_python
 from functorch_optim._torch_ops import op_casts, signed_grad
 
@@ -149,8 +149,5 @@ def adagrad(
     }
     tx = make_optimizer(ADAGRAD_ALGORITHM, hparams, static)
     # torch's constructor checks these after the values, in this order
-    if fused and differentiable:
-        raise RuntimeError("`fused` does not support `differentiable`")
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    check_fused_flags(fused, differentiable, foreach)
     return tx

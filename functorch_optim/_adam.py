@@ -15,7 +15,14 @@ import numpy as np
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import betas_to_scalars, is_tensor, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._checks import (
+    betas_to_scalars,
+    check_fused_flags,
+    is_tensor,
+    tensor_to_scalar,
+    validate_lr_eps_betas_wd,
+)
+from functorch_optim._fused import adam_kernel, fused_algorithm
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
@@ -113,11 +120,9 @@ def build_adam(
     for i, b in enumerate(betas):
         if is_tensor(b) and not capturable and foreach:
             raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+    check_fused_flags(fused, differentiable, foreach)
     if fused:
-        if differentiable:
-            raise RuntimeError("`fused` does not support `differentiable`")
-        if foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        tx = make_optimizer(fused_algorithm(algorithm, adam_kernel), hparams, static)
     return tx
 
 
@@ -172,7 +177,11 @@ def adam(
       maximize: maximize the objective instead of minimizing, default False (static).
       capturable: accepted for torch compatibility; no effect.
       differentiable: accepted for torch compatibility; no effect (see Note).
-      fused: accepted for torch compatibility; no effect.
+      fused: default None (off). True runs each float32/float64 parameter's update as one
+        compiled CPU kernel that reads every input once and writes in place (built on
+        first use with the system C++ compiler, see the performance guide); results are
+        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
+        Not differentiable (torch's ``fused`` is not either).
       decoupled_weight_decay: apply weight decay to the parameter, not the gradient (the
         AdamW rule), default False (static).
 
@@ -188,7 +197,8 @@ def adam(
         ``betas must be either both floats or both Tensors``, ``lr as a Tensor is not
         supported for capturable=False and foreach=True``.
       RuntimeError: torch's "`fused` does not support `differentiable`" and "`fused`
-        and `foreach` cannot be `True` together." (only with ``fused=True``).
+        and `foreach` cannot be `True` together." (only with ``fused=True``); no C++
+        compiler for ``fused=True``.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -209,7 +219,7 @@ def adam(
       effect; this function copies torch's order. Bias corrections are computed in the
       hyperparameter dtype (float64 under x64), as torch computes them in Python doubles.
 
-      ``foreach``, ``capturable`` and ``fused`` have no effect (XLA fuses the loop);
+      ``foreach`` and ``capturable`` have no effect (XLA fuses the loop);
       ``differentiable`` has none either, every step is differentiable with ``jax.grad``.
       torch's ``differentiable=True`` path computes its bias corrections from the float
       ``step`` tensor, in torch's *default* dtype: it agrees with this function to 1e-10

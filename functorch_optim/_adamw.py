@@ -65,7 +65,11 @@ def adamw(
       foreach: accepted for torch compatibility; no effect.
       capturable: accepted for torch compatibility; no effect.
       differentiable: accepted for torch compatibility; no effect (see Note).
-      fused: accepted for torch compatibility; no effect.
+      fused: default None (off). True runs each float32/float64 parameter's update as one
+        compiled CPU kernel that reads every input once and writes in place (built on
+        first use with the system C++ compiler, see the performance guide); results are
+        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
+        Not differentiable (torch's ``fused`` is not either).
 
     Returns:
       An optax ``GradientTransformationExtraArgs`` whose state is a ``TorchState`` with
@@ -79,7 +83,8 @@ def adamw(
         ``betas must be either both floats or both Tensors``, ``lr as a Tensor is not
         supported for capturable=False and foreach=True``.
       RuntimeError: torch's "`fused` does not support `differentiable`" and "`fused`
-        and `foreach` cannot be `True` together." (only with ``fused=True``).
+        and `foreach` cannot be `True` together." (only with ``fused=True``); no C++
+        compiler for ``fused=True``.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -94,7 +99,7 @@ def adamw(
       same way, but its AMSGrad variant (``optax.amsgrad`` has no decoupled decay at all)
       and operation order differ as described for ``adam``; torch's AMSGrad keeps the max
       of the raw second moment. ``optax.adamw``'s default ``weight_decay`` is 1e-4; torch's
-      is 1e-2. ``foreach``, ``capturable``, ``fused`` and ``differentiable`` have no effect
+      is 1e-2. ``foreach``, ``capturable`` and ``differentiable`` have no effect
       (every step is differentiable with ``jax.grad``); torch's ``differentiable=True``
       path agrees with this function to 1e-10 in float64 only under
       ``torch.set_default_dtype(torch.float64)`` (it computes bias corrections in torch's

@@ -88,6 +88,10 @@ class Algorithm:
         (SparseAdam); ``None``, no ``step`` at all (SGD).
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
+      fused_step_leaf: optional; ``step_leaf`` with the leaf's ``grad_mask`` flag (or
+        ``None``) as a seventh argument, applying it itself: a kernel that updates the
+        parameter and buffers in place (``fused=True``, ``_fused.py``). When set, the
+        engine calls it instead of ``step_leaf``.
     """
 
     name: str
@@ -96,6 +100,7 @@ class Algorithm:
     step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     torch_step: str | None = "tensor"
     torch_state_at_init: bool = False
+    fused_step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None
 
 
 def make_optimizer(
@@ -167,8 +172,13 @@ def make_optimizer(
                 # would make XLA copy it before overwriting it in place
                 step = jax.lax.optimization_barrier(old["step"] + 1)
                 bufs = {n: v for n, v in old.items() if n != "step"}
-                out_p, out = algorithm.step_leaf(p, g, bufs, step, hp, static)
-                out = {"step": step, **out}
+                if algorithm.fused_step_leaf is not None:
+                    out_p, out = algorithm.fused_step_leaf(p, g, bufs, step, hp, static, m)
+                    out = {"step": step if m is None else jnp.where(m, step, old["step"]), **out}
+                    m = None
+                else:
+                    out_p, out = algorithm.step_leaf(p, g, bufs, step, hp, static)
+                    out = {"step": step, **out}
                 if m is not None:
                     out_p = jnp.where(m, out_p, p)
                     out = {n: None if old[n] is None else jnp.where(m, out[n], old[n]) for n in names}

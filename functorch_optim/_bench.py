@@ -181,13 +181,12 @@ def optax_sgd() -> optax.GradientTransformation:
     return optax.chain(optax.add_decayed_weights(WEIGHT_DECAY), optax.sgd(LR, momentum=MOMENTUM))
 
 
-def fo_sgd() -> Any:
-    return fo.sgd(lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+def fo_sgd(fused: bool = False) -> Any:
+    return fo.sgd(lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, fused=fused)
 
 
-def fo_adam() -> Any | None:
-    adam = getattr(fo, "adam", None)
-    return None if adam is None else adam(lr=ADAM_LR)
+def fo_adam(fused: bool = False) -> Any:
+    return fo.adam(lr=ADAM_LR, fused=fused)
 
 
 def jax_contender(name: str, fn: Callable, tx_init: Callable, np_leaves, grads, nbytes: int, kind: str):
@@ -281,20 +280,14 @@ def bench_steps(kind: str, cases, reps: int, log: Callable[[str], None]) -> list
         grads = jax_tree(np_grads)
         nbytes = 4 * n_params
         contenders = ceiling_contenders(n_params, torch)
-        if kind == "sgd":
-            fo_tx, opt_tx = fo_sgd(), optax_sgd()
-        else:
-            fo_tx, opt_tx = fo_adam(), optax.adam(ADAM_LR)
-        if fo_tx is not None:
-            contenders.append(
-                jax_contender(
-                    "functorch_optim", fo_step_fn(fo_tx), fo_tx.init, np_leaves, grads, nbytes, kind
-                )
-            )
+        make = fo_sgd if kind == "sgd" else fo_adam
+        fo_tx, opt_tx = make(), optax_sgd() if kind == "sgd" else optax.adam(ADAM_LR)
+        for name, tx in (("functorch_optim", fo_tx), ("fo fused", make(fused=True))):
+            contenders.append(jax_contender(name, fo_step_fn(tx), tx.init, np_leaves, grads, nbytes, kind))
         contenders.append(
             jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes, kind)
         )
-        if fo_tx is not None and n_leaves > 1:
+        if n_leaves > 1:
             # the same step on the flat layout: one buffer for all leaves (ravel_by_dtype)
             flat_params = [np.concatenate(np_leaves)]
             flat_grads = {"float32": jnp.asarray(np.concatenate(np_grads))}
@@ -323,6 +316,8 @@ def bench_steps(kind: str, cases, reps: int, log: Callable[[str], None]) -> list
             "fo/torch foreach": _ratio(t, "functorch_optim", "torch foreach"),
             "optax/torch fused": _ratio(t, "optax", "torch fused"),
             "fo flat/torch fused": _ratio(t, "fo flat", "torch fused"),
+            "fo fused/torch fused": _ratio(t, "fo fused", "torch fused"),
+            "fo fused/optax": _ratio(t, "fo fused", "optax"),
         }
         rows.append(row)
         del contenders, grads
@@ -448,9 +443,9 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
                 optax_step_fn,
             ),
         }
-        adam = fo_adam()
-        if adam is not None:
-            candidates["fo adam"] = (adam, fo_step_fn)
+        candidates["fo sgd fused"] = (fo_sgd(fused=True), fo_step_fn)
+        candidates["fo adam"] = (fo_adam(), fo_step_fn)
+        candidates["fo adam fused"] = (fo_adam(fused=True), fo_step_fn)
         candidates["optax adam"] = (optax.adam(ADAM_LR), optax_step_fn)
         row: dict[str, Any] = {"leaves": n_leaves, "leaf_size": leaf_size, "seconds": {}}
         for name, (tx, make) in candidates.items():
@@ -465,6 +460,7 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
             "fo grad_accumulate/optax MultiSteps": _ratio(s, "fo grad_accumulate", "optax MultiSteps"),
             "fo adam/optax adam": _ratio(s, "fo adam", "optax adam"),
             "fo sgd flat/optax sgd": _ratio(s, "fo sgd flat", "optax sgd"),
+            "fo sgd fused/optax sgd": _ratio(s, "fo sgd fused", "optax sgd"),
         }
         rows.append(row)
         gc.collect()
@@ -489,23 +485,24 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### Optimizer step, float32 (median ms; % of the in-place ceiling measured in the same row)",
             "",
-            "| step | params | leaves | functorch_optim | fo flat | optax | torch foreach | torch fused "
-            "| fo / fused | fo / optax | fo flat / fused | fo GB/s | ceiling GB/s | fo % | optax % | fused % "
-            "| peak fo ×P | peak optax ×P |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| step | params | leaves | functorch_optim | fo fused=True | fo flat | optax | torch foreach "
+            "| torch fused | fo / torch fused | fo fused=True / torch fused | fo fused=True / optax "
+            "| fo flat / torch fused | fo fused=True GB/s | ceiling GB/s | fo % | fo fused=True % | optax % "
+            "| torch fused % | peak fo ×P | peak fo fused=True ×P | peak optax ×P |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in steps:
-            t, f, m = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"]
+            t, f, m, q = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"], r["ratios"]
             pct = lambda k, f=f: _fmt(100 * f[k], ".0f") if k in f else "—"
             lines.append(
                 f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} "
-                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo flat'))} "
+                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo fused'))} | {_fmt(t.get('fo flat'))} "
                 f"| {_fmt(t.get('optax'))} | {_fmt(t.get('torch foreach'))} | {_fmt(t.get('torch fused'))} "
-                f"| {_fmt(r['ratios']['fo/torch fused'])} | {_fmt(r['ratios']['fo/optax'])} "
-                f"| {_fmt(r['ratios'].get('fo flat/torch fused'))} "
-                f"| {_fmt(r['gbps'].get('functorch_optim'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
-                f"| {pct('functorch_optim')} | {pct('optax')} | {pct('torch fused')} "
-                f"| {_fmt(m.get('functorch_optim'))} | {_fmt(m.get('optax'))} |"
+                f"| {_fmt(q['fo/torch fused'])} | {_fmt(q.get('fo fused/torch fused'))} "
+                f"| {_fmt(q.get('fo fused/optax'))} | {_fmt(q.get('fo flat/torch fused'))} "
+                f"| {_fmt(r['gbps'].get('fo fused'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
+                f"| {pct('functorch_optim')} | {pct('fo fused')} | {pct('optax')} | {pct('torch fused')} "
+                f"| {_fmt(m.get('functorch_optim'))} | {_fmt(m.get('fo fused'))} | {_fmt(m.get('optax'))} |"
             )
         lines.append("")
     if result.get("accumulate"):

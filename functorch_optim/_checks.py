@@ -102,3 +102,16 @@ def squeeze_lr(lr: Any) -> Any:
     if math.prod(shape) != 1:
         raise ValueError("Tensor lr must be 1-element")
     return lr.reshape(()) if len(shape) else lr
+
+
+def check_fused_flags(fused: Any, differentiable: Any, foreach: Any) -> None:
+    """torch's constructor checks on ``fused=True`` (SGD, Adam, AdamW, Adagrad).
+
+    Raises:
+      RuntimeError: "`fused` does not support `differentiable`", "`fused` and `foreach`
+        cannot be `True` together." (torch's texts, in torch's order).
+    """
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")

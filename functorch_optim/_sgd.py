@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._checks import check_fused_flags
+from functorch_optim._fused import fused_algorithm, sgd_kernel
 from functorch_optim._hyperparams import to_python
 from functorch_optim._torch_ops import caster, signed_grad
 
@@ -121,7 +123,11 @@ def sgd(
       maximize: maximize the objective instead of minimizing, default False (static).
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       differentiable: accepted for torch compatibility; every step is differentiable.
-      fused: accepted for torch compatibility; no effect.
+      fused: default None (off). True runs each float32/float64 parameter's update as one
+        compiled CPU kernel that reads every input once and writes in place (built on
+        first use with the system C++ compiler, see the performance guide); results are
+        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
+        Not differentiable (torch's ``fused`` is not either).
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
@@ -133,6 +139,9 @@ def sgd(
       ValueError: ``Invalid learning rate: {lr}``, ``Invalid momentum value: {momentum}``,
         ``Invalid weight_decay value: {weight_decay}``, ``Nesterov momentum requires a
         momentum and zero dampening`` (torch's texts).
+      RuntimeError: torch's "`fused` does not support `differentiable`" and "`fused`
+        and `foreach` cannot be `True` together." (only with ``fused=True``); no C++
+        compiler for ``fused=True``.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -156,8 +165,9 @@ def sgd(
       Sutskever et al., "On the importance of initialization and momentum in deep
       learning", ICML 2013. Mirrors ``torch.optim.SGD`` (``_single_tensor_sgd``).
     """
-    del foreach, differentiable, fused
+    check_fused_flags(fused, differentiable, foreach)
     hparams = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
     has_momentum = callable(momentum) or to_python(momentum) != 0
     static = {"nesterov": bool(nesterov), "maximize": bool(maximize), "has_momentum": has_momentum}
-    return make_optimizer(SGD_ALGORITHM, hparams, static)
+    algorithm = fused_algorithm(SGD_ALGORITHM, sgd_kernel) if fused else SGD_ALGORITHM
+    return make_optimizer(algorithm, hparams, static)

@@ -81,8 +81,10 @@ def apply_weight_decay(
     dtype = param.dtype
     c = caster(dtype)
     if decoupled:
-        decayed = (c(param) * c(1 - lr * weight_decay)).astype(dtype)
-        return jnp.where(weight_decay != 0, decayed, param), grad
+        # ``* 1`` is exact: one multiply either way, so XLA contracts it the same way into
+        # what follows (an FMA), whatever the surrounding selects
+        factor = jnp.where(weight_decay != 0, 1 - lr * weight_decay, 1)
+        return (c(param) * c(factor)).astype(dtype), grad
     coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
     return param, jnp.where(weight_decay != 0, coupled, grad)
 

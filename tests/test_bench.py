@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-import functorch_optim as fo
 from functorch_optim.__main__ import main
 
 pytest.importorskip("torch")
@@ -53,11 +52,10 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
         rows = data[kind]
         assert [(r["params"], r["leaves"]) for r in rows] == [(20_000, 1), (20_000, 4)]
         expected = {"optax", "torch foreach", "torch fused", "ceiling jax", "ceiling torch"}
-        if kind == "sgd" or hasattr(fo, "adam"):
-            expected.add("functorch_optim")
+        expected |= {"functorch_optim", "fo fused"}
         for row in rows:
             # the flat layout is timed where there is more than one leaf to pack
-            names = expected | ({"fo flat"} if "functorch_optim" in expected and row["leaves"] > 1 else set())
+            names = expected | ({"fo flat"} if row["leaves"] > 1 else set())
             assert set(row["times_ms"]) == names
             assert all(_finite_positive(v) for v in row["times_ms"].values())
             assert set(row["gbps"]) == names
@@ -67,10 +65,10 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
             # peak memory of a donated step: params + grads + state (SGD momentum: 3, Adam: 4)
             floor = 3.0 if kind == "sgd" else 4.0
             assert floor <= row["memory_x_params"]["optax"] < floor + 0.1
-            if "functorch_optim" in expected:
-                assert floor <= row["memory_x_params"]["functorch_optim"] < floor + 0.1
-                assert _finite_positive(row["ratios"]["fo/torch fused"])
-                assert _finite_positive(row["ratios"]["fo/optax"])
+            for name in ("functorch_optim", "fo fused"):
+                assert floor <= row["memory_x_params"][name] < floor + 0.1, name
+            for ratio in ("fo/torch fused", "fo/optax", "fo fused/torch fused", "fo fused/optax"):
+                assert _finite_positive(row["ratios"][ratio]), ratio
 
 
 def test_accumulate_rows_have_every_contender(result):

@@ -38,6 +38,9 @@ TRANSFORMS = {
     "sgd-momentum-wd": lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2),
     "sgd-nesterov": lambda: fo.sgd(lr=0.1, momentum=0.9, nesterov=True, maximize=True),
     "sgd-plain": lambda: fo.sgd(lr=0.1),
+    "sgd-fused": lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
+    "adam-fused": lambda: fo.adam(lr=0.1, amsgrad=True, fused=True),
+    "adamw-fused": lambda: fo.adamw(lr=0.1, fused=True),
     "accumulate-sgd": lambda: fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2), every=3),
     "accumulate-optax": lambda: fo.grad_accumulate(optax.sgd(0.1, momentum=0.9), every=2),
 }

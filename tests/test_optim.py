@@ -74,17 +74,28 @@ def test_sgd_signature_is_torchs():
     assert SGD.__name__ == "SGD" and issubclass(SGD, Optimizer)
 
 
-def test_torch_only_flags_accepted_without_effect():
+@pytest.mark.parametrize(
+    "flags", [{"foreach": True, "differentiable": True}, {"fused": True}], ids=["torch-only", "fused"]
+)
+def test_implementation_flags_do_not_change_the_numbers(flags):
     params = {"w": jnp.array([1.0, -2.0])}
     grads = {"w": jnp.array([0.5, 0.25])}
     plain = SGD(params, lr=0.1, momentum=0.9)
-    flagged = SGD(params, lr=0.1, momentum=0.9, foreach=True, differentiable=True, fused=True)
+    flagged = SGD(params, lr=0.1, momentum=0.9, **flags)
     for opt in (plain, flagged):
         opt.grad = grads
         opt.step()
-    assert flagged.param_groups[0]["fused"] is True
+    assert all(flagged.param_groups[0][k] is True for k in flags)
     np.testing.assert_array_equal(plain.params["w"], flagged.params["w"])
     np.testing.assert_array_equal(plain.params["w"], [1.0 - 0.05, -2.0 - 0.025])
+    if "fused" not in flags:
+        return
+    # fused is a real switch: editing it in param_groups rebuilds the group's step
+    flagged.param_groups[0]["fused"] = False
+    for opt in (plain, flagged):
+        opt.grad = grads
+        opt.step()
+    np.testing.assert_array_equal(plain.params["w"], flagged.params["w"])
 
 
 @pytest.mark.parametrize("form", ["tree", "torch-groups", "group_by"])

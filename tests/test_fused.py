@@ -1,0 +1,173 @@
+"""``fused=True``: the one-pass CPU kernels give exactly the numbers of the jitted rule."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functorch_optim as fo
+from functorch_optim import _fused
+from functorch_optim._jit import unaliased_paths
+
+SHAPES = {"w": (37, 129), "b": (4099,), "s": (), "none": (5,), "empty": (0,)}
+
+SGD = [
+    dict(lr=0.1, momentum=m, dampening=d, weight_decay=w, nesterov=nv, maximize=mx)
+    for m, d, w, nv, mx in itertools.product((0, 0.9), (0, 0.3), (0, 1e-2), (False, True), (False, True))
+    if not (nv and (m == 0 or d != 0))
+][::2]
+ADAM = [
+    dict(lr=lr, betas=(b1, 0.999), weight_decay=w, amsgrad=a, maximize=mx)
+    for lr, b1, w, a, mx in itertools.product(
+        (1e-3, 0.1), (0.9, 0.3), (0, 1e-2), (False, True), (False, True)
+    )
+][::3]
+CASES = (
+    [(f"sgd-{i}", fo.sgd, c) for i, c in enumerate(SGD)]
+    + [(f"adam-{i}", fo.adam, c) for i, c in enumerate(ADAM)]
+    + [(f"adamw-{i}", fo.adamw, c) for i, c in enumerate(ADAM)]
+)
+
+
+def _params(dtype):
+    keys = jax.random.split(jax.random.PRNGKey(0), len(SHAPES))
+    return {k: jax.random.normal(key, s, dtype) * 2 for key, (k, s) in zip(keys, SHAPES.items())}
+
+
+def _grads(params, k):
+    # "none" never gets a gradient (torch's p.grad is None)
+    return {n: None if n == "none" else jnp.sin(p * (k + 1.3)) * (1 + k) for n, p in params.items()}
+
+
+def _run(tx, params, steps=4, mask=True):
+    params = jax.tree.map(jnp.copy, params)  # donated below
+    state = tx.init(params)
+
+    def step(p, g, s, k):
+        m = {n: (k % 2 == 0) if n == "b" else jnp.array(True) for n in p} if mask else None
+        return fo.step(tx, p, g, s, **({"grad_mask": m} if mask else {}))
+
+    step = jax.jit(step, donate_argnums=(0, 2))
+    for k in range(steps):
+        params, state = step(params, _grads(params, k), state, k)
+    return params, state
+
+
+def _assert_same_bits(a, b):
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for (path, x), y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+        assert np.array_equal(x, y, equal_nan=True), (jax.tree_util.keystr(path), np.max(np.abs(x - y)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize(("name", "factory", "config"), CASES, ids=[c[0] for c in CASES])
+def test_fused_is_bit_identical_to_the_jitted_rule(name, factory, config, dtype):
+    params = _params(dtype)
+    plain = _run(factory(**config), params)
+    fused = _run(factory(**config, fused=True), params)
+    _assert_same_bits(fused, plain)
+    # and it moved: every parameter with a gradient changed, the one without did not
+    for n in ("w", "b", "s"):
+        assert not np.array_equal(np.asarray(fused[0][n]), np.asarray(params[n])), n
+    assert np.array_equal(np.asarray(fused[0]["none"]), np.asarray(params["none"]))
+
+
+@pytest.mark.parametrize("factory", [fo.sgd, fo.adam], ids=["sgd", "adam"])
+def test_other_dtypes_run_the_jitted_rule(factory):
+    params = _params(jnp.bfloat16)
+    kw = {"momentum": 0.9} if factory is fo.sgd else {}
+    _assert_same_bits(_run(factory(lr=0.1, fused=True, **kw), params), _run(factory(lr=0.1, **kw), params))
+
+
+def test_fused_under_grad_accumulate_equals_unfused():
+    params = _params(jnp.float32)
+    make = lambda fused: fo.grad_accumulate(
+        fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=fused), every=3
+    )
+    _assert_same_bits(
+        _run(make(True), params, steps=7, mask=False), _run(make(False), params, steps=7, mask=False)
+    )
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [fo.sgd(lr=0.1, momentum=0.9, fused=True), fo.adam(lr=0.1, amsgrad=True, fused=True)],
+    ids=["sgd", "adam-amsgrad"],
+)
+def test_compiled_step_is_one_in_place_kernel_per_parameter(tx):
+    params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
+    state = tx.init(params)
+    fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2), keep_unused=True)
+    compiled = fn.lower(params, params, state).compile()
+    text = compiled.as_text()
+    # one call per parameter that has elements (XLA drops work on the empty one)
+    assert len(re.findall(r"custom-call\(", text)) == sum(p.size > 0 for p in params.values())
+    assert unaliased_paths(compiled, (params, params, state), (0, 2)) == []
+    # no parameter-sized temporary: scalars only
+    assert compiled.memory_analysis().temp_size_in_bytes < 4096
+
+
+def test_changing_hyperparameters_does_not_recompile():
+    tx = fo.adamw(lr=0.1, weight_decay=1e-2, fused=True)
+    params = _params(jnp.float64)
+    state = tx.init(params)
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    p1, _ = step(params, _grads(params, 0), state)
+    p2, _ = step(params, _grads(params, 0), fo.set_hparams(state, lr=0.2, weight_decay=0.0))
+    assert step._cache_size() == 1
+    plain = fo.adamw(lr=0.1, weight_decay=1e-2)
+    plain_step = jax.jit(lambda p, g, s: fo.step(plain, p, g, s))  # jitted: XLA's FMAs
+    p3, _ = plain_step(
+        params, _grads(params, 0), fo.set_hparams(plain.init(params), lr=0.2, weight_decay=0.0)
+    )
+    _assert_same_bits(p2, p3)
+    assert not np.array_equal(np.asarray(p1["w"]), np.asarray(p2["w"]))
+
+
+@pytest.mark.parametrize("factory", [fo.sgd, fo.adam, fo.adamw], ids=["sgd", "adam", "adamw"])
+def test_torch_flag_checks(factory):
+    with pytest.raises(RuntimeError, match=r"^`fused` does not support `differentiable`$"):
+        factory(lr=0.1, fused=True, differentiable=True)
+    with pytest.raises(RuntimeError, match=r"^`fused` and `foreach` cannot be `True` together.$"):
+        factory(lr=0.1, fused=True, foreach=True)
+    with pytest.raises(ValueError, match=r"parameter at \['i'\] has dtype int32"):
+        factory(lr=0.1, fused=True).init({"w": jnp.ones(3), "i": jnp.ones(3, jnp.int32)})
+
+
+def test_facade_passes_fused_through():
+    params = _params(jnp.float64)
+    grads = {k: v for k, v in _grads(params, 0).items() if v is not None}
+    out = []
+    for fused in (False, True):
+        opt = fo.optim.SGD({k: params[k] + 0 for k in grads}, lr=0.1, momentum=0.9, fused=fused)
+        assert opt.param_groups[0]["fused"] is fused
+        for _ in range(3):
+            opt.grad = grads
+            opt.step()
+        out.append(opt.params)
+    _assert_same_bits(out[1], out[0])
+
+
+def test_a_missing_compiler_is_reported(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(_fused.shutil, "which", lambda name: None)
+    with pytest.raises(
+        RuntimeError,
+        match="needs a C",
+    ):
+        _fused._compiler()
+
+
+def test_kernel_library_is_cached_by_source_and_toolchain(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUNCTORCH_OPTIM_CACHE", str(tmp_path))
+    assert _fused._cache_dir() == tmp_path
+    path = _fused.load_kernels()
+    assert path.endswith(".so") and re.search(r"fused_kernels-[0-9a-f]{16}\.so$", path)
