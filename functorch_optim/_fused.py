@@ -125,6 +125,13 @@ def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorit
     return dataclasses.replace(algorithm, fused_step_leaf=_fused_rule(kernel, algorithm.step_leaf))
 
 
+def _explicitly_sharded(x: jax.Array) -> bool:
+    # under an explicit-sharding mesh each device holds a slice: the per-device kernel
+    # has no partitioning rule, so the jitted rule (which XLA partitions) runs instead
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
+
+
 def _fused_rule(
     kernel: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
     rule: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
@@ -139,7 +146,7 @@ def _fused_rule(
         return jnp.where(active, new_param, param), {n: jnp.where(active, new[n], buffers[n]) for n in new}
 
     def step_leaf(param, grad, buffers, step, hp, static, active):
-        if param.dtype not in _KERNEL_DTYPES:
+        if param.dtype not in _KERNEL_DTYPES or _explicitly_sharded(param):
             return masked_rule(param, grad, buffers, step, hp, static, active)
         active = jnp.asarray(True if active is None else active)
         return jax.lax.platform_dependent(
