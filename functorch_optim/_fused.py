@@ -38,7 +38,7 @@ from functorch_optim._torch_ops import caster, step_as_float
 
 SOURCE = Path(__file__).with_name("_fused_kernels.cc")
 _TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam"}
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+_FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 

@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -32,7 +31,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Elements per task: big enough that scheduling costs nothing, small enough to balance.
-constexpr int64_t kGrain = 1 << 16;
+#ifndef FO_GRAIN
+#define FO_GRAIN (1 << 16)
+#endif
+constexpr int64_t kGrain = FO_GRAIN;
 
 // Runs body(lo, hi) over [0, n) on the caller and the pool's threads. Workers take chunks
 // from a shared counter; the caller never waits on a task that has not started (the pool
@@ -53,7 +55,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
     void Run() {
       for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
         body(c * kGrain, std::min(n, (c + 1) * kGrain));
-        done.fetch_add(1, std::memory_order_acq_rel);
+        if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks) done.notify_all();
       }
     }
   };
@@ -61,7 +63,9 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
   const int64_t helpers = std::min(threads, chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Run(); });
   shared->Run();
-  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  // sleep (futex), not spin, while a worker finishes its last chunk: on a busy machine
+  // spinning would take the core that worker needs
+  for (int64_t d; (d = shared->done.load(std::memory_order_acquire)) < chunks;) shared->done.wait(d);
 }
 
 // Calls f(std::integral_constant<bool, b>...) so that flags become compile-time constants
