@@ -53,11 +53,21 @@ for _spec in OPTIMIZERS:
         if _spec.shapes:  # Muon: 2-D parameters only
             SHAPES[_id] = {"layer": {"w": (20, 50)}, "b": (30, 20)}
 
-# Algorithms whose compiled step still holds parameter-sized temporaries on XLA CPU: donation
-# is honoured (asserted), but XLA splits their update into several loops with buffers
-# between them. Known and open (issue 7); the test xfails for them only on that check.
-# Muon's Newton-Schulz iteration needs matrix-sized temporaries by its nature (torch's too).
-KNOWN_TEMPORARIES = {"adadelta", "rmsprop", "rprop", "adafactor", "sparse_adam", "muon"}
+# Algorithms whose compiled step still holds parameter-sized temporaries on XLA CPU, with
+# the most it may hold (in units of the parameters' total size): donation is honoured
+# (asserted), the bound is asserted, and the test xfails for them only on the "no
+# temporaries" check. Each is known (issue 7):
+# - adadelta: acc_delta and the parameter each need the other's old value (through the
+#   delta) and XLA CPU has no multi-output loop fusion, so one of them is copied first.
+# - rprop: the step-size pass reads the old ``prev``, which the prev pass overwrites and
+#   does not depend on; XLA's copy insertion orders in-place writes by data dependency
+#   only, so it copies ``prev``.
+# - adafactor: the reductions run as XLA CPU YNNPACK fusions, which need their elementwise
+#   input (the update, or the runtime eps broadcast) materialized; a loop-emitted
+#   reduction would sum in another order (other bits).
+# - muon: the Newton-Schulz iteration needs matrix-sized temporaries by its nature
+#   (torch's too): the bfloat16 iterate, its float32 copy for the norm, the products.
+KNOWN_TEMPORARIES = {"adadelta": 1, "rprop": 1, "adafactor": 2, "muon": 3}
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
@@ -80,7 +90,9 @@ def test_compiled_step_aliases_params_state_and_accumulator(name):
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     extra = ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     smallest = min(x.nbytes for x in jax.tree.leaves(params))
-    if extra >= smallest / 2 and name.split("-")[0] in KNOWN_TEMPORARIES:
+    known = KNOWN_TEMPORARIES.get(name.split("-")[0])
+    if extra >= smallest / 2 and known is not None:
+        assert extra < known * param_bytes + smallest / 2, (name, extra / param_bytes)
         pytest.xfail(f"{name}: {extra} bytes of temporaries (known, issue 7)")
     # below half the smallest parameter: scalars and small per-step values only
     assert extra < smallest / 2, (name, extra, ma.temp_size_in_bytes)
