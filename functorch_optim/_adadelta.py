@@ -48,8 +48,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # recomputing the delta from fresh reads: the barriers stop XLA from materializing
     # the decayed gradient and both square roots for all passes (three parameter-sized
     # temporaries, three extra loops). acc_delta and the parameter each need the other's
-    # old value, so XLA keeps one copy (one temporary) between those two passes. Same
-    # operations, same rounding.
+    # old value, so one of them must be saved: XLA copies the old acc_delta (one
+    # temporary). Same operations, same rounding.
     fresh = (param, grad, square_avg, buffers["acc_delta"])
     # acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho)
     d = delta(*jax.lax.optimization_barrier(fresh))
@@ -58,6 +58,13 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # param.add_(delta, alpha=-lr); a barrier of its own (not merged with the one above)
     d = delta(*jax.lax.optimization_barrier((*fresh, acc_delta))[:4])
     new_param = r(c(param) + a(-hp["lr"]) * c(d))
+    if acc_delta.size:
+        # XLA orders an in-place write after the reads it depends on, else it copies the
+        # buffer: this always-true test of one new acc_delta element (any float is >= 0,
+        # < 0 or NaN) puts the parameter pass after the acc_delta pass, which reads the
+        # old parameter, so only acc_delta is copied, not both. The same values.
+        x = acc_delta.ravel()[0]
+        new_param = jnp.where((x >= 0) | (x < 0) | (x != x), new_param, param)
     return new_param, {"square_avg": square_avg, "acc_delta": acc_delta}
 
 

@@ -44,15 +44,21 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # recomputing it there from the old one (which would force a copy of the donated
     # buffer).
     step_size = jnp.where(factor == 1, clamp(step_size), clamp(r(c(step_size) * c(factor))))
-    # Three passes over memory, each writing one array: step_size, prev, then the
+    # Three passes over memory, each writing one array in place: step_size, prev, then the
     # parameter from the returned two. The barriers make each pass recompute
     # ``grad * prev`` from fresh reads instead of XLA materializing it for all of them.
-    # XLA keeps one copy of the old ``prev`` (read by the step-size pass, overwritten by
-    # the prev pass). Same operations, same rounding.
     grad, prev, _ = jax.lax.optimization_barrier((grad, prev, step_size))
     # the sign flipped: no step, and the next step sees ``prev = 0``
     prod = r(c(grad) * c(prev))
-    grad = jnp.where(prod < 0, jnp.zeros((), dtype), grad)
+    flipped = prod < 0
+    if step_size.size:
+        # The step-size pass reads the old ``prev`` that this pass overwrites, and XLA
+        # orders an in-place write after the reads it depends on, else it copies the
+        # buffer. This always-true test of one new step size (any float is >= 0, < 0 or
+        # NaN) is that dependency: one element read, no copy, the same values.
+        x = step_size.ravel()[0]
+        flipped = flipped & ((x >= 0) | (x < 0) | (x != x))
+    grad = jnp.where(flipped, jnp.zeros((), dtype), grad)
     param, grad, step_size = jax.lax.optimization_barrier((param, grad, step_size))
     # param.addcmul_(grad.sign(), step_size, value=-1)
     new_param = r(c(param) + c(-1.0) * c(jnp.sign(grad)) * c(step_size))

@@ -58,16 +58,13 @@ for _spec in OPTIMIZERS:
 # (asserted), the bound is asserted, and the test xfails for them only on the "no
 # temporaries" check. Each is known (issue 7):
 # - adadelta: acc_delta and the parameter each need the other's old value (through the
-#   delta) and XLA CPU has no multi-output loop fusion, so one of them is copied first.
-# - rprop: the step-size pass reads the old ``prev``, which the prev pass overwrites and
-#   does not depend on; XLA's copy insertion orders in-place writes by data dependency
-#   only, so it copies ``prev``.
+#   delta) and XLA CPU has no multi-output loop fusion, so the old acc_delta is copied.
 # - adafactor: the reductions run as XLA CPU YNNPACK fusions, which need their elementwise
 #   input (the update, or the runtime eps broadcast) materialized; a loop-emitted
 #   reduction would sum in another order (other bits).
 # - muon: the Newton-Schulz iteration needs matrix-sized temporaries by its nature
 #   (torch's too): the bfloat16 iterate, its float32 copy for the norm, the products.
-KNOWN_TEMPORARIES = {"adadelta": 1, "rprop": 1, "adafactor": 2, "muon": 3}
+KNOWN_TEMPORARIES = {"adadelta": 1, "adafactor": 2, "muon": 3}
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
