@@ -59,9 +59,10 @@ for _spec in OPTIMIZERS:
 # temporaries" check. Each is known (issue 7):
 # - adadelta: acc_delta and the parameter each need the other's old value (through the
 #   delta) and XLA CPU has no multi-output loop fusion, so the old acc_delta is copied.
-# - adafactor: the reductions run as XLA CPU YNNPACK fusions, which need their elementwise
-#   input (the update, or the runtime eps broadcast) materialized; a loop-emitted
-#   reduction would sum in another order (other bits).
+# - adafactor: its sums (of g*g, of the update squared) run as XLA CPU YNNPACK fusions.
+#   XLA materializes the update they share with the parameter pass; recomputed in the
+#   sum instead, YNNPACK takes the runtime eps1**2 as a materialized parameter-sized
+#   broadcast (measured: as many temporaries, and more for 2-D parameters).
 # - muon: the Newton-Schulz iteration needs matrix-sized temporaries by its nature
 #   (torch's too): the bfloat16 iterate, its float32 copy for the norm, the products.
 KNOWN_TEMPORARIES = {"adadelta": 1, "adafactor": 2, "muon": 3}
