@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -25,22 +26,45 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     c, a, r = op_casts(dtype)
-    grad = signed_grad(grad, dtype, static["maximize"])
     rho, eps, wd = hp["rho"], hp["eps"], hp["weight_decay"]
-    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+
+    def effective_grad(param, grad):
+        grad = signed_grad(grad, dtype, static["maximize"])
+        return jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+
+    def delta(param, grad, square_avg, acc_delta):
+        grad = effective_grad(param, grad)
+        # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_()
+        std = r(jnp.sqrt(c(r(c(square_avg) + a(eps)))))
+        delta = r(jnp.sqrt(c(r(c(acc_delta) + a(eps)))))
+        # delta.div_(std).mul_(grad)
+        return r(c(r(c(delta) / c(std))) * c(grad))
+
+    g = effective_grad(param, grad)
     # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)
     square_avg = r(c(buffers["square_avg"]) * c(rho))
-    square_avg = r(c(square_avg) + c(1 - rho) * c(grad) * c(grad))
-    # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_()
-    std = r(jnp.sqrt(c(r(c(square_avg) + a(eps)))))
-    delta = r(jnp.sqrt(c(r(c(buffers["acc_delta"]) + a(eps)))))
-    # delta.div_(std).mul_(grad)
-    delta = r(c(r(c(delta) / c(std))) * c(grad))
+    square_avg = r(c(square_avg) + c(1 - rho) * c(g) * c(g))
+    # One pass over memory per written array (square_avg, acc_delta, the parameter), each
+    # recomputing the delta from fresh reads: the barriers stop XLA from materializing
+    # the decayed gradient and both square roots for all passes (three parameter-sized
+    # temporaries, three extra loops). acc_delta and the parameter each need the other's
+    # old value, so one of them must be saved: XLA copies the old acc_delta (one
+    # temporary). Same operations, same rounding.
+    fresh = (param, grad, square_avg, buffers["acc_delta"])
     # acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho)
+    d = delta(*jax.lax.optimization_barrier(fresh))
     acc_delta = r(c(buffers["acc_delta"]) * c(rho))
-    acc_delta = r(c(acc_delta) + c(1 - rho) * c(delta) * c(delta))
-    # param.add_(delta, alpha=-lr)
-    new_param = r(c(param) + a(-hp["lr"]) * c(delta))
+    acc_delta = r(c(acc_delta) + c(1 - rho) * c(d) * c(d))
+    # param.add_(delta, alpha=-lr); a barrier of its own (not merged with the one above)
+    d = delta(*jax.lax.optimization_barrier((*fresh, acc_delta))[:4])
+    new_param = r(c(param) + a(-hp["lr"]) * c(d))
+    if acc_delta.size:
+        # XLA orders an in-place write after the reads it depends on, else it copies the
+        # buffer: this always-true test of one new acc_delta element (any float is >= 0,
+        # < 0 or NaN) puts the parameter pass after the acc_delta pass, which reads the
+        # old parameter, so only acc_delta is copied, not both. The same values.
+        x = acc_delta.ravel()[0]
+        new_param = jnp.where((x >= 0) | (x < 0) | (x != x), new_param, param)
     return new_param, {"square_avg": square_avg, "acc_delta": acc_delta}
 
 

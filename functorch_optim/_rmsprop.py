@@ -43,38 +43,61 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     c, a, r = op_casts(dtype)
-    grad = signed_grad(grad, dtype, static["maximize"])
     lr, alpha, eps, wd = hp["lr"], hp["alpha"], hp["eps"], hp["weight_decay"]
-    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+
+    def effective_grad(param, grad):
+        grad = signed_grad(grad, dtype, static["maximize"])
+        return jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+
+    def fresh(param, grad):
+        # One pass over memory per written array, each fused by XLA and each reading the
+        # arrays the earlier passes returned. The barrier makes every pass recompute its
+        # intermediates (the decayed gradient, the denominator) from fresh reads instead
+        # of XLA materializing them for all passes (parameter-sized temporaries and extra
+        # loops); reading the returned buffers orders the in-place writes after every
+        # read of the old values (no copies of donated buffers). Same operations, same
+        # rounding.
+        param, grad, new = jax.lax.optimization_barrier((param, grad, dict(out)))
+        out.update(new)
+        return param, effective_grad(param, grad)
+
+    g = effective_grad(param, grad)
     # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
     square_avg = r(c(buffers["square_avg"]) * c(alpha))
-    square_avg = r(c(square_avg) + c(1 - alpha) * c(grad) * c(grad))
-    out = {"square_avg": square_avg}
+    out = {"square_avg": r(c(square_avg) + c(1 - alpha) * c(g) * c(g))}
     if static["centered"]:
+        param, g = fresh(param, grad)
         # grad_avg.lerp_(grad, 1 - alpha)
-        grad_avg = r(lerp_formula(c(buffers["grad_avg"]), c(grad), c(1 - alpha)))
-        out["grad_avg"] = grad_avg
-        # avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
-        avg = r(jnp.sqrt(c(r(c(square_avg) + c(-1.0) * c(grad_avg) * c(grad_avg)))))
-    else:
-        avg = r(jnp.sqrt(c(square_avg)))
-    # avg.add_(eps): eps outside the square root
-    avg = r(c(avg) + a(eps))
-    # param.addcdiv_(grad, avg, value=-lr)
-    plain = r(c(param) + c(-lr) * c(grad) / c(avg))
+        out["grad_avg"] = r(lerp_formula(c(buffers["grad_avg"]), c(g), c(1 - alpha)))
+
+    def denominator():
+        square_avg = out["square_avg"]
+        if static["centered"]:
+            # avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+            grad_avg = out["grad_avg"]
+            avg = r(jnp.sqrt(c(r(c(square_avg) + c(-1.0) * c(grad_avg) * c(grad_avg)))))
+        else:
+            avg = r(jnp.sqrt(c(square_avg)))
+        # avg.add_(eps): eps outside the square root
+        return r(c(avg) + a(eps))
+
     if static["has_momentum"]:
+        param, g = fresh(param, grad)
         momentum = hp["momentum"]
         buf = buffers["momentum_buffer"]
         # buf.mul_(momentum).addcdiv_(grad, avg); param.add_(buf, alpha=-lr): lr after the buffer
         new_buf = r(c(buf) * c(momentum))
-        new_buf = r(c(new_buf) + c(grad) / c(avg))
-        with_momentum = r(c(param) + a(-lr) * c(new_buf))
+        new_buf = r(c(new_buf) + c(g) / c(denominator()))
         # torch takes the plain branch, buffer untouched, while momentum == 0
         use = momentum > 0
         out["momentum_buffer"] = jnp.where(use, new_buf, buf)
-        new_param = jnp.where(use, with_momentum, plain)
-    else:
-        new_param = plain
+    param, g = fresh(param, grad)
+    # param.addcdiv_(grad, avg, value=-lr)
+    new_param = r(c(param) + c(-lr) * c(g) / c(denominator()))
+    if static["has_momentum"]:
+        # where the momentum branch is taken, the returned buffer is the new one
+        with_momentum = r(c(param) + a(-lr) * c(out["momentum_buffer"]))
+        new_param = jnp.where(use, with_momentum, new_param)
     return new_param, out
 
 

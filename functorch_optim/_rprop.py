@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -23,20 +24,42 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
 def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     c, _, r = op_casts(dtype)
-    grad = signed_grad(grad, dtype, static["maximize"])
     etaminus, etaplus = hp["etas"]
     step_size_min, step_size_max = hp["step_sizes"]
+    grad = signed_grad(grad, dtype, static["maximize"])
+    prev = buffers["prev"]
     # torch.full_like(grad, lr) when the state is created
     step_size = jnp.where(step == 1, r(jnp.full_like(buffers["step_size"], hp["lr"])), buffers["step_size"])
     # sign = grad.mul(prev).sign(); > 0 -> etaplus, < 0 -> etaminus, == 0 -> 1 (in the param dtype)
-    prod = r(c(grad) * c(buffers["prev"]))
+    prod = r(c(grad) * c(prev))
     factor = jnp.where(prod == 0, jnp.ones((), dtype), jnp.sign(prod))  # NaN stays NaN
     factor = jnp.where(prod > 0, r(c(etaplus)), jnp.where(prod < 0, r(c(etaminus)), factor))
-    # step_size.mul_(sign).clamp_(step_size_min, step_size_max)
-    step_size = r(c(step_size) * c(factor))
-    step_size = r(jnp.minimum(jnp.maximum(c(step_size), c(step_size_min)), c(step_size_max)))
+
+    def clamp(step_size):
+        return r(jnp.minimum(jnp.maximum(c(step_size), c(step_size_min)), c(step_size_max)))
+
+    # step_size.mul_(sign).clamp_(step_size_min, step_size_max); where the factor is 1 the
+    # product is the step size itself, bit for bit. Selecting on the factor makes the new
+    # step size an array XLA writes once and the parameter pass reads back, instead of
+    # recomputing it there from the old one (which would force a copy of the donated
+    # buffer).
+    step_size = jnp.where(factor == 1, clamp(step_size), clamp(r(c(step_size) * c(factor))))
+    # Three passes over memory, each writing one array in place: step_size, prev, then the
+    # parameter from the returned two. The barriers make each pass recompute
+    # ``grad * prev`` from fresh reads instead of XLA materializing it for all of them.
+    grad, prev, _ = jax.lax.optimization_barrier((grad, prev, step_size))
     # the sign flipped: no step, and the next step sees ``prev = 0``
-    grad = jnp.where(prod < 0, jnp.zeros((), dtype), grad)
+    prod = r(c(grad) * c(prev))
+    flipped = prod < 0
+    if step_size.size:
+        # The step-size pass reads the old ``prev`` that this pass overwrites, and XLA
+        # orders an in-place write after the reads it depends on, else it copies the
+        # buffer. This always-true test of one new step size (any float is >= 0, < 0 or
+        # NaN) is that dependency: one element read, no copy, the same values.
+        x = step_size.ravel()[0]
+        flipped = flipped & ((x >= 0) | (x < 0) | (x != x))
+    grad = jnp.where(flipped, jnp.zeros((), dtype), grad)
+    param, grad, step_size = jax.lax.optimization_barrier((param, grad, step_size))
     # param.addcmul_(grad.sign(), step_size, value=-1)
     new_param = r(c(param) + c(-1.0) * c(jnp.sign(grad)) * c(step_size))
     return new_param, {"prev": grad, "step_size": step_size}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -29,9 +30,13 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     ct = opmath_dtype(dtype)
     hdt = jnp.result_type(hp["lr"])
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    g = signed_grad(grad, dtype, static["maximize"]).astype(ct)
-    # The entries a sparse COO gradient (``grad.to_sparse()``) would carry.
-    mask = g != 0
+
+    def gradient(grad):
+        g = signed_grad(grad, dtype, static["maximize"]).astype(ct)
+        # The entries a sparse COO gradient (``grad.to_sparse()``) would carry.
+        return g, g != 0
+
+    g, mask = gradient(grad)
     old_m = buffers["exp_avg"].astype(ct)
     old_v = buffers["exp_avg_sq"].astype(ct)
     # torch: (grad_values - old) * (1 - beta), then old + that (on the mask only)
@@ -39,6 +44,20 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     upd_v = (g * g - old_v) * (1 - beta2).astype(ct)
     new_m = old_m + upd_m
     new_v = old_v + upd_v
+    out = {
+        "exp_avg": jnp.where(mask, new_m, old_m).astype(dtype),
+        "exp_avg_sq": jnp.where(mask, new_v, old_v).astype(dtype),
+    }
+    if dtype == ct:
+        # One pass over memory per written array: the moments, then the parameter from
+        # the returned moments (equal to the new ones wherever the parameter moves). The
+        # barrier makes the parameter pass recompute the mask from a fresh read of grad,
+        # so XLA neither materializes the new moments twice nor copies the donated old
+        # ones. Same operations, same rounding. (bf16/fp16 moments are rounded when
+        # stored; the parameter needs them unrounded: the plain form below.)
+        grad, out = jax.lax.optimization_barrier((grad, out))
+        g, mask = gradient(grad)
+        new_m, new_v = out["exp_avg"], out["exp_avg_sq"]
     denom = jnp.sqrt(new_v) + eps.astype(ct)
     step_f = step.astype(hdt)
     bias_correction1 = 1 - beta1**step_f
@@ -46,10 +65,6 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     step_size = lr * jnp.sqrt(bias_correction2) / bias_correction1
     delta = (-step_size).astype(ct) * (new_m / denom)
     new_param = jnp.where(mask, param.astype(ct) + delta, param.astype(ct))
-    out = {
-        "exp_avg": jnp.where(mask, new_m, old_m).astype(dtype),
-        "exp_avg_sq": jnp.where(mask, new_v, old_v).astype(dtype),
-    }
     return new_param.astype(dtype), out
 
 

@@ -56,11 +56,19 @@ for _spec in OPTIMIZERS:
         if _spec.shapes:  # Muon: 2-D parameters only
             SHAPES[_id] = {"layer": {"w": (20, 50)}, "b": (30, 20)}
 
-# Algorithms whose compiled step still holds parameter-sized temporaries on XLA CPU: donation
-# is honoured (asserted), but XLA splits their update into several loops with buffers
-# between them. Known and open (issue 7); the test xfails for them only on that check.
-# Muon's Newton-Schulz iteration needs matrix-sized temporaries by its nature (torch's too).
-KNOWN_TEMPORARIES = {"adadelta", "rmsprop", "rprop", "adafactor", "sparse_adam", "muon"}
+# Algorithms whose compiled step still holds parameter-sized temporaries on XLA CPU, with
+# the most it may hold (in units of the parameters' total size): donation is honoured
+# (asserted), the bound is asserted, and the test xfails for them only on the "no
+# temporaries" check. Each is known (issue 7):
+# - adadelta: acc_delta and the parameter each need the other's old value (through the
+#   delta) and XLA CPU has no multi-output loop fusion, so the old acc_delta is copied.
+# - adafactor: its sums (of g*g, of the update squared) run as XLA CPU YNNPACK fusions.
+#   XLA materializes the update they share with the parameter pass; recomputed in the
+#   sum instead, YNNPACK takes the runtime eps1**2 as a materialized parameter-sized
+#   broadcast (measured: as many temporaries, and more for 2-D parameters).
+# - muon: the Newton-Schulz iteration needs matrix-sized temporaries by its nature
+#   (torch's too): the bfloat16 iterate, its float32 copy for the norm, the products.
+KNOWN_TEMPORARIES = {"adadelta": 1, "adafactor": 2, "muon": 3}
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
@@ -83,7 +91,9 @@ def test_compiled_step_aliases_params_state_and_accumulator(name):
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     extra = ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     smallest = min(x.nbytes for x in jax.tree.leaves(params))
-    if extra >= smallest / 2 and name.split("-")[0] in KNOWN_TEMPORARIES:
+    known = KNOWN_TEMPORARIES.get(name.split("-")[0])
+    if extra >= smallest / 2 and known is not None:
+        assert extra < known * param_bytes + smallest / 2, (name, extra / param_bytes)
         pytest.xfail(f"{name}: {extra} bytes of temporaries (known, issue 7)")
     # below half the smallest parameter: scalars and small per-step values only
     assert extra < smallest / 2, (name, extra, ma.temp_size_in_bytes)
