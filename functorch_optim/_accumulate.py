@@ -23,7 +23,8 @@ class GradAccumulateState(NamedTuple):
       acc_grads: the running sum of the window's gradients, one array per parameter, in
         at least float32 (bfloat16 and float16 gradients are summed in float32). After
         a step it still holds the sum of the window just closed; the next call starts
-        the new window by overwriting it (no separate pass clears it).
+        the new window by overwriting it (no separate pass clears it). With
+        ``every=1`` it is not used (the gradient goes straight to the step).
       has_grad: whether any gradient arrived in the window, one boolean per parameter
         stacked in one array of shape ``(number of parameters,)``, in the order of
         ``jax.tree.leaves(params)``; a parameter without one is skipped like torch's
@@ -82,10 +83,11 @@ def grad_accumulate(
     so ``k`` micro-batches of size ``b`` with per-batch mean losses and
     ``reduction="mean"`` reproduce one batch of ``k·b`` up to rounding.
 
-    Under ``jit`` the inner optimizer runs in a loop of zero or one trips: a micro-step
-    runs only the addition (one in-place pass per parameter and a few scalar operations,
-    whatever the number of parameters), the inner optimizer runs only on the step. With
-    ``functorch_optim.step`` a micro-step does not touch the parameters at all.
+    Under ``jit`` a micro-step runs only the addition: one in-place pass per parameter
+    and a few scalar operations, whatever the number of parameters; the inner optimizer
+    runs only on the step (for this package's optimizers in a loop of zero or one trips,
+    for any other transformation in a ``lax.cond``). With ``functorch_optim.step`` a
+    micro-step does not touch the parameters at all.
 
     Args:
       tx: any optax-compatible transformation (this package's or optax's).
@@ -121,9 +123,10 @@ def grad_accumulate(
       ``optax.MultiSteps`` instead runs the inner optimizer on every call and selects
       the result, and accumulates in float32 even under x64.
 
-      The step is a ``lax.while_loop``: ``jax.jvp`` goes through it, reverse-mode
-      ``jax.grad`` through the optimizer update does not (differentiate through the
-      inner transformation itself for that).
+      With this package's optimizers inside, the step is a ``lax.while_loop`` (a
+      conditional would copy their per-parameter step counters on every micro-step):
+      ``jax.jvp`` goes through it, reverse-mode ``jax.grad`` through the update does
+      not (differentiate through the inner transformation itself for that).
     """
     if isinstance(every, bool) or not isinstance(every, int | jnp.integer) or every < 1:
         raise ValueError(f"every must be an integer >= 1, got {every!r}")
@@ -143,30 +146,35 @@ def grad_accumulate(
             inner_state=tx.init(params),
         )
 
-    def accumulate(grads, state):
+    def flags(grads, state, fresh):
+        # which parameters have a gradient in this call is static: one operation for all
+        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
+        if all(present):
+            return jnp.ones(state.has_grad.shape, bool), True
+        present = jnp.asarray(present, bool)
+        return jnp.where(fresh, present, state.has_grad | present), False
+
+    def add_in(grads, acc, fresh):
         # A window opens (mini_step == 0) by overwriting the sum, so one in-place pass per
         # call is all a micro-step costs, and the step never has to write zeros back.
-        fresh = state.mini_step == 0
-
         def add(g, a):
             if g is None:
                 return jnp.where(fresh, jnp.zeros_like(a), a)
             g = g.astype(a.dtype)
             return jnp.where(fresh, g, a + g)
 
-        acc = jax.tree.map(add, grads, state.acc_grads, is_leaf=is_none)
-        # which parameters have a gradient in this call is static: one operation for all
-        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
-        if all(present):
-            return acc, jnp.ones(state.has_grad.shape, bool), True
-        present = jnp.asarray(present, bool)
-        seen = jnp.where(fresh, present, state.has_grad | present)
-        return acc, seen, False
+        return jax.tree.map(add, grads, acc, is_leaf=is_none)
 
-    def mean_grads(acc, params):
+    def given(grads, acc):
+        # every == 1: the call's own gradient is the window's sum (None: zeros)
+        return jax.tree.map(
+            lambda g, a: jnp.zeros_like(a) if g is None else g.astype(a.dtype), grads, acc, is_leaf=is_none
+        )
+
+    def mean_grads(total, params):
         if reduction == "mean" and every > 1:
-            acc = jax.tree.map(lambda a: a / every, acc)
-        return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+            total = jax.tree.map(lambda a: a / every, total)
+        return jax.tree.map(lambda a, p: a.astype(p.dtype), total, params)
 
     def inner_kwargs(seen, all_seen, params, extra_args):
         if not extra_ok:
@@ -179,29 +187,42 @@ def grad_accumulate(
             kwargs["grad_mask"] = treedef.unflatten([seen[i] for i in range(treedef.num_leaves)])
         return kwargs
 
-    def branch(stepping, fn, carry):
-        # every == 1 steps on every call: no loop at all
+    def run(grads, state, params, carry, step):
+        """Add the gradient in; on the window's closing call, ``step`` on the mean."""
+        fresh = state.mini_step == 0
+        stepping = state.mini_step + 1 >= every
+        seen, all_seen = flags(grads, state, fresh)
         if every == 1:
-            return fn(carry)
-        return _run_if(stepping, fn, carry)
+            # every call steps: no branch, and no pass over the accumulator
+            acc = state.acc_grads
+            carry = step(carry, mean_grads(given(grads, acc), params), seen, all_seen)
+        else:
+            acc = add_in(grads, state.acc_grads, fresh)
 
-    def advance(state, stepping, acc, seen):
+            def fn(c):
+                return step(c, mean_grads(acc, params), seen, all_seen)
+
+            if inner_step is not None:
+                carry = _run_if(stepping, fn, carry)
+            else:
+                # an optax transformation keeps a few scalars, not one per parameter: a
+                # conditional costs no per-parameter copies there, and XLA simplifies its
+                # arithmetic inside a conditional as before (a loop body can round
+                # differently in the last bit)
+                carry = jax.lax.cond(stepping, fn, lambda c: c, carry)
         mini = jnp.where(stepping, 0, state.mini_step + 1).astype(jnp.int32)
         count = state.gradient_step + stepping.astype(jnp.int32)
-        return lambda inner: GradAccumulateState(mini, count, acc, seen, inner)
+        return carry, lambda inner: GradAccumulateState(mini, count, acc, seen, inner)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("grad_accumulate: update() needs params")
         check_like_params(params, grads)
-        acc, seen, all_seen = accumulate(grads, state)
-        stepping = state.mini_step + 1 >= every
-        kwargs = inner_kwargs(seen, all_seen, params, extra_args)
 
-        def do_step(carry):
+        def step(carry, mean, seen, all_seen):
             _, inner = carry
-            mean = mean_grads(acc, params)
             if extra_ok:
+                kwargs = inner_kwargs(seen, all_seen, params, extra_args)
                 updates, inner = tx.update(mean, inner, params, **kwargs)
             else:
                 updates, inner = tx.update(mean, inner, params)
@@ -211,26 +232,22 @@ def grad_accumulate(
             return updates, inner
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        updates, inner = branch(stepping, do_step, (zeros, state.inner_state))
+        (updates, inner), new_state = run(grads, state, params, (zeros, state.inner_state), step)
         updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
-        return updates, advance(state, stepping, acc, seen)(inner)
+        return updates, new_state(inner)
 
     def step_fn(params, grads, state, **extra_args):
         check_like_params(params, grads)
-        acc, seen, all_seen = accumulate(grads, state)
-        stepping = state.mini_step + 1 >= every
-        kwargs = inner_kwargs(seen, all_seen, params, extra_args)
 
-        def do_step(carry):
+        def step(carry, mean, seen, all_seen):
             params, inner = carry
+            kwargs = inner_kwargs(seen, all_seen, params, extra_args)
             if inner_step is not None:
-                return inner_step(params, mean_grads(acc, params), inner, **kwargs)
-            return _step(tx, params, mean_grads(acc, params), inner, **kwargs)
+                return inner_step(params, mean, inner, **kwargs)
+            return _step(tx, params, mean, inner, **kwargs)
 
-        # acc and seen are read by the loop, never carried by it: the loop's carry is
-        # what the step writes (params, inner state), updated in place
-        params, inner = branch(stepping, do_step, (params, state.inner_state))
-        return params, advance(state, stepping, acc, seen)(inner)
+        (params, inner), new_state = run(grads, state, params, (params, state.inner_state), step)
+        return params, new_state(inner)
 
     setattr(update, STEP_ATTR, step_fn)
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
