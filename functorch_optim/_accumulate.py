@@ -23,17 +23,21 @@ class GradAccumulateState(NamedTuple):
       acc_grads: the running sum of the window's gradients, one array per parameter, in
         at least float32 (bfloat16 and float16 gradients are summed in float32). After
         a step it still holds the sum of the window just closed; the next call starts
-        the new window by overwriting it (no separate pass clears it).
-      has_grad: per parameter, whether any gradient arrived in the window (boolean
-        scalars); a parameter without one is skipped like torch's ``p.grad is None``.
-        Like ``acc_grads``, it describes the closed window right after a step.
+        the new window by overwriting it (no separate pass clears it). With
+        ``every=1`` it is not used (the gradient goes straight to the step).
+      has_grad: whether any gradient arrived in the window, one boolean per parameter
+        stacked in one array of shape ``(number of parameters,)``, in the order of
+        ``jax.tree.leaves(params)``; a parameter without one is skipped like torch's
+        ``p.grad is None``. Like ``acc_grads``, it describes the closed window right
+        after a step. (One array rather than a scalar per parameter: a micro-step then
+        costs one operation for the flags, not one per parameter.)
       inner_state: the wrapped transformation's state; it moves only on steps.
     """
 
     mini_step: jax.Array
     gradient_step: jax.Array
     acc_grads: PyTree
-    has_grad: PyTree
+    has_grad: jax.Array
     inner_state: PyTree
 
     @property
@@ -44,6 +48,22 @@ class GradAccumulateState(NamedTuple):
 
 def _acc_dtype(dtype: Any) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def _run_if(pred: jax.Array, fn: Any, carry: PyTree) -> PyTree:
+    """``fn(carry)`` where ``pred`` holds, else ``carry``: a while loop of 0 or 1 trips.
+
+    Not a ``lax.cond``: XLA gives a conditional's outputs buffers of their own, so on
+    every call (stepping or not) it copies each carried value that the stepping branch
+    both reads and overwrites (the inner state's per-parameter step counters: two
+    copies per parameter). A while loop updates its carry in place; those copies move
+    into the loop body, which runs on steps only.
+    """
+
+    def body(c):
+        return jnp.zeros((), bool), fn(c[1])
+
+    return jax.lax.while_loop(lambda c: c[0], body, (pred, carry))[1]
 
 
 def grad_accumulate(
@@ -63,9 +83,11 @@ def grad_accumulate(
     so ``k`` micro-batches of size ``b`` with per-batch mean losses and
     ``reduction="mean"`` reproduce one batch of ``k·b`` up to rounding.
 
-    Under ``jit`` the branch is a ``lax.cond``: a micro-step runs only the addition, the
-    inner optimizer runs only on the step. With ``functorch_optim.step`` a micro-step does
-    not touch the parameters at all.
+    Under ``jit`` a micro-step runs only the addition: one in-place pass per parameter
+    and a few scalar operations, whatever the number of parameters; the inner optimizer
+    runs only on the step (for this package's optimizers in a loop of zero or one trips,
+    for any other transformation in a ``lax.cond``). With ``functorch_optim.step`` a
+    micro-step does not touch the parameters at all.
 
     Args:
       tx: any optax-compatible transformation (this package's or optax's).
@@ -100,6 +122,11 @@ def grad_accumulate(
       transformation cannot skip a leaf; it receives a zero gradient there.
       ``optax.MultiSteps`` instead runs the inner optimizer on every call and selects
       the result, and accumulates in float32 even under x64.
+
+      With this package's optimizers inside, the step is a ``lax.while_loop`` (a
+      conditional would copy their per-parameter step counters on every micro-step):
+      ``jax.jvp`` goes through it, reverse-mode ``jax.grad`` through the update does
+      not (differentiate through the inner transformation itself for that).
     """
     if isinstance(every, bool) or not isinstance(every, int | jnp.integer) or every < 1:
         raise ValueError(f"every must be an integer >= 1, got {every!r}")
@@ -115,94 +142,112 @@ def grad_accumulate(
             mini_step=jnp.zeros((), jnp.int32),
             gradient_step=jnp.zeros((), jnp.int32),
             acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, _acc_dtype(p.dtype)), params),
-            has_grad=jax.tree.map(lambda p: jnp.zeros((), bool), params),
+            has_grad=jnp.zeros((len(jax.tree.leaves(params)),), bool),
             inner_state=tx.init(params),
         )
 
-    def accumulate(grads, state):
+    def flags(grads, state, fresh):
+        # which parameters have a gradient in this call is static: one operation for all
+        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
+        if all(present):
+            return jnp.ones(state.has_grad.shape, bool), True
+        present = jnp.asarray(present, bool)
+        return jnp.where(fresh, present, state.has_grad | present), False
+
+    def add_in(grads, acc, fresh):
         # A window opens (mini_step == 0) by overwriting the sum, so one in-place pass per
         # call is all a micro-step costs, and the step never has to write zeros back.
-        fresh = state.mini_step == 0
-
         def add(g, a):
             if g is None:
                 return jnp.where(fresh, jnp.zeros_like(a), a)
             g = g.astype(a.dtype)
             return jnp.where(fresh, g, a + g)
 
-        acc = jax.tree.map(add, grads, state.acc_grads, is_leaf=is_none)
-        seen = jax.tree.map(
-            lambda g, h: (h & ~fresh) if g is None else jnp.ones((), bool),
-            grads,
-            state.has_grad,
-            is_leaf=is_none,
+        return jax.tree.map(add, grads, acc, is_leaf=is_none)
+
+    def given(grads, acc):
+        # every == 1: the call's own gradient is the window's sum (None: zeros)
+        return jax.tree.map(
+            lambda g, a: jnp.zeros_like(a) if g is None else g.astype(a.dtype), grads, acc, is_leaf=is_none
         )
-        return acc, seen
 
-    def mean_grads(acc, params):
+    def mean_grads(total, params):
         if reduction == "mean" and every > 1:
-            acc = jax.tree.map(lambda a: a / every, acc)
-        return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+            total = jax.tree.map(lambda a: a / every, total)
+        return jax.tree.map(lambda a, p: a.astype(p.dtype), total, params)
 
-    def inner_kwargs(seen, extra_args):
-        return {**extra_args, "grad_mask": seen} if extra_ok else {}
+    def inner_kwargs(seen, all_seen, params, extra_args):
+        if not extra_ok:
+            return {}
+        kwargs = {k: v for k, v in extra_args.items() if k != "grad_mask"}
+        if not all_seen:
+            # a call with a gradient for every parameter needs no mask (one of all True
+            # would select the same values, at the price of a select per buffer)
+            treedef = jax.tree.structure(params)
+            kwargs["grad_mask"] = treedef.unflatten([seen[i] for i in range(treedef.num_leaves)])
+        return kwargs
 
-    def branch(stepping, do_step, skip, *operands):
-        # every == 1 steps on every call: no conditional at all
+    def run(grads, state, params, carry, step):
+        """Add the gradient in; on the window's closing call, ``step`` on the mean."""
+        fresh = state.mini_step == 0
+        stepping = state.mini_step + 1 >= every
+        seen, all_seen = flags(grads, state, fresh)
         if every == 1:
-            return do_step(*operands)
-        return jax.lax.cond(stepping, do_step, skip, *operands)
+            # every call steps: no branch, and no pass over the accumulator
+            acc = state.acc_grads
+            carry = step(carry, mean_grads(given(grads, acc), params), seen, all_seen)
+        else:
+            acc = add_in(grads, state.acc_grads, fresh)
 
-    def advance(state, stepping, acc, seen, inner):
+            def fn(c):
+                return step(c, mean_grads(acc, params), seen, all_seen)
+
+            if inner_step is not None:
+                carry = _run_if(stepping, fn, carry)
+            else:
+                # an optax transformation keeps a few scalars, not one per parameter: a
+                # conditional costs no per-parameter copies there, and XLA simplifies its
+                # arithmetic inside a conditional as before (a loop body can round
+                # differently in the last bit)
+                carry = jax.lax.cond(stepping, fn, lambda c: c, carry)
         mini = jnp.where(stepping, 0, state.mini_step + 1).astype(jnp.int32)
         count = state.gradient_step + stepping.astype(jnp.int32)
-        return GradAccumulateState(mini, count, acc, seen, inner)
+        return carry, lambda inner: GradAccumulateState(mini, count, acc, seen, inner)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("grad_accumulate: update() needs params")
         check_like_params(params, grads)
-        acc, seen = accumulate(grads, state)
-        stepping = state.mini_step + 1 >= every
 
-        def do_step(acc, seen, inner):
-            kwargs = inner_kwargs(seen, extra_args)
+        def step(carry, mean, seen, all_seen):
+            _, inner = carry
             if extra_ok:
-                updates, inner = tx.update(mean_grads(acc, params), inner, params, **kwargs)
+                kwargs = inner_kwargs(seen, all_seen, params, extra_args)
+                updates, inner = tx.update(mean, inner, params, **kwargs)
             else:
-                updates, inner = tx.update(mean_grads(acc, params), inner, params)
+                updates, inner = tx.update(mean, inner, params)
             updates = jax.tree.map(
                 lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
             )
             return updates, inner
 
-        def skip(acc, seen, inner):
-            return jax.tree.map(jnp.zeros_like, params), inner
-
-        # acc and seen are read by the branches, never returned by them: a conditional's
-        # outputs that XLA cannot alias to its operands cost a copy per call
-        updates, inner = branch(stepping, do_step, skip, acc, seen, state.inner_state)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (updates, inner), new_state = run(grads, state, params, (zeros, state.inner_state), step)
         updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
-        return updates, advance(state, stepping, acc, seen, inner)
+        return updates, new_state(inner)
 
     def step_fn(params, grads, state, **extra_args):
         check_like_params(params, grads)
-        acc, seen = accumulate(grads, state)
-        stepping = state.mini_step + 1 >= every
 
-        def do_step(params, acc, seen, inner):
-            kwargs = inner_kwargs(seen, extra_args)
+        def step(carry, mean, seen, all_seen):
+            params, inner = carry
+            kwargs = inner_kwargs(seen, all_seen, params, extra_args)
             if inner_step is not None:
-                params, inner = inner_step(params, mean_grads(acc, params), inner, **kwargs)
-            else:
-                params, inner = _step(tx, params, mean_grads(acc, params), inner, **kwargs)
-            return params, inner
+                return inner_step(params, mean, inner, **kwargs)
+            return _step(tx, params, mean, inner, **kwargs)
 
-        def skip(params, acc, seen, inner):
-            return params, inner
-
-        params, inner = branch(stepping, do_step, skip, params, acc, seen, state.inner_state)
-        return params, advance(state, stepping, acc, seen, inner)
+        (params, inner), new_state = run(grads, state, params, (params, state.inner_state), step)
+        return params, new_state(inner)
 
     setattr(update, STEP_ATTR, step_fn)
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
