@@ -92,67 +92,84 @@ inline T Maximum(T a, T b) {
 // ---------------------------------------------------------------------------------- SGD
 // scalars: [-lr, momentum, 1 - dampening, weight_decay]
 // flags:   [active, weight_decay != 0, step == 1, momentum != 0]
+template <typename T, bool kWd, bool kUse>
+void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
+             T neg_lr, T mom, T damp1, T wd, T sign, bool first, bool nesterov) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const T pi = p[i];
+    T gi = g[i] * sign;
+    if (kWd) gi = std::fma(wd, pi, gi);
+    if (kUse) {
+      const T nb = first ? gi : std::fma(buf[i], mom, damp1 * gi);
+      buf[i] = nb;
+      gi = nesterov ? std::fma(mom, nb, gi) : nb;
+    }
+    p[i] = std::fma(neg_lr, gi, pi);
+  }
+}
+
 template <typename T>
 void Sgd(ffi::ThreadPool& pool, int64_t n, T* p, const T* g, T* buf, const T* s, const int32_t* f,
          bool has_momentum, bool nesterov, bool maximize) {
   if (!f[0]) return;  // grad_mask: outputs alias inputs, unchanged
   const T neg_lr = s[0], mom = s[1], damp1 = s[2], wd = s[3];
-  const bool use = has_momentum && f[3];
   const T sign = maximize ? T(-1) : T(1);  // -g exactly
   const bool first = f[2];
+  // the loop is a plain function of plain values: the vectorizer then knows that the
+  // stores cannot change the scalars (captured in a closure, they could alias)
   WithFlags(
       [&](auto kWd, auto kUse) {
         ParallelFor(pool, n, [=](int64_t lo, int64_t hi) {
-          for (int64_t i = lo; i < hi; ++i) {
-            const T pi = p[i];
-            T gi = g[i] * sign;
-            if (kWd) gi = std::fma(wd, pi, gi);
-            if (kUse) {
-              const T nb = first ? gi : std::fma(buf[i], mom, damp1 * gi);
-              buf[i] = nb;
-              gi = nesterov ? std::fma(mom, nb, gi) : nb;
-            }
-            p[i] = std::fma(neg_lr, gi, pi);
-          }
+          SgdLoop<T, kWd, kUse>(lo, hi, p, g, buf, neg_lr, mom, damp1, wd, sign, first, nesterov);
         });
       },
-      bool(f[1]), use);
+      bool(f[1]), has_momentum && f[3]);
 }
 
 // --------------------------------------------------------------------------------- Adam
 // scalars: [1 - lr*wd, wd, w = 1 - beta1, 1 - w, beta2, 1 - beta2, 1 / sqrt(bc2), eps, -lr/bc1]
 // flags:   [active, weight_decay != 0, |w| < 0.5]
 template <typename T>
+struct AdamScalars {
+  T decay, wd, w, w1, b2, omb2, inv_bc2s, eps, neg_ss, sign;
+  bool small;
+};
+
+template <typename T, bool kDecay, bool kCoupled, bool kAms>
+void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
+              T* __restrict v, T* __restrict vmax, const AdamScalars<T> c) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const T pi = p[i];
+    T gi = g[i] * c.sign;
+    if (kCoupled) gi = std::fma(c.wd, pi, gi);
+    const T mi = m[i];
+    const T diff = gi - mi;
+    const T nm = c.small ? std::fma(c.w, diff, mi) : std::fma(-diff, c.w1, gi);
+    m[i] = nm;
+    const T nv = std::fma(v[i], c.b2, c.omb2 * gi * gi);
+    v[i] = nv;
+    T second = nv;
+    if (kAms) {
+      second = Maximum(vmax[i], nv);
+      vmax[i] = second;
+    }
+    const T denom = std::fma(std::sqrt(second), c.inv_bc2s, c.eps);
+    const T update = (c.neg_ss * nm) / denom;
+    // decoupled decay: XLA contracts ``param * (1 - lr * wd) + update``
+    p[i] = kDecay ? std::fma(pi, c.decay, update) : pi + update;
+  }
+}
+
+template <typename T>
 void Adam(ffi::ThreadPool& pool, int64_t n, T* p, const T* g, T* m, T* v, T* vmax, const T* s,
           const int32_t* f, bool maximize, bool decoupled) {
   if (!f[0]) return;
-  const T decay = s[0], wd = s[1], w = s[2], w1 = s[3], b2 = s[4], omb2 = s[5], inv_bc2s = s[6],
-          eps = s[7], neg_ss = s[8];
-  const T sign = maximize ? T(-1) : T(1);
-  const bool small = f[2];
+  const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                         maximize ? T(-1) : T(1), bool(f[2])};
   WithFlags(
       [&](auto kDecay, auto kCoupled, auto kAms) {
         ParallelFor(pool, n, [=](int64_t lo, int64_t hi) {
-          for (int64_t i = lo; i < hi; ++i) {
-            const T pi = p[i];
-            T gi = g[i] * sign;
-            if (kCoupled) gi = std::fma(wd, pi, gi);
-            const T mi = m[i];
-            const T diff = gi - mi;
-            const T nm = small ? std::fma(w, diff, mi) : std::fma(-diff, w1, gi);
-            m[i] = nm;
-            const T nv = std::fma(v[i], b2, omb2 * gi * gi);
-            v[i] = nv;
-            T second = nv;
-            if (kAms) {
-              second = Maximum(vmax[i], nv);
-              vmax[i] = second;
-            }
-            const T denom = std::fma(std::sqrt(second), inv_bc2s, eps);
-            const T update = (neg_ss * nm) / denom;
-            // decoupled decay: XLA contracts ``param * (1 - lr * wd) + update``
-            p[i] = kDecay ? std::fma(pi, decay, update) : pi + update;
-          }
+          AdamLoop<T, kDecay, kCoupled, kAms>(lo, hi, p, g, m, v, vmax, c);
         });
       },
       decoupled && f[1], !decoupled && f[1], vmax != nullptr);
