@@ -31,10 +31,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Elements per task: big enough that scheduling costs nothing, small enough to balance.
-#ifndef FO_GRAIN
-#define FO_GRAIN (1 << 16)
-#endif
-constexpr int64_t kGrain = FO_GRAIN;
+constexpr int64_t kGrain = 1 << 16;
 
 // Runs body(lo, hi) over [0, n) on the caller and the pool's threads. Workers take chunks
 // from a shared counter; the caller never waits on a task that has not started (the pool
