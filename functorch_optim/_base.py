@@ -88,10 +88,11 @@ class Algorithm:
         (SparseAdam); ``None``, no ``step`` at all (SGD).
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
-      fused_step_leaf: optional; ``step_leaf`` with the leaf's ``grad_mask`` flag (or
-        ``None``) as a seventh argument, applying it itself: a kernel that updates the
-        parameter and buffers in place (``fused=True``, ``_fused.py``). When set, the
-        engine calls it instead of ``step_leaf``.
+      fused_step: optional; the rule for all parameters with a gradient at once,
+        ``(leaves, hparams, static) -> [(new_param, new_buffers), ...]`` with one
+        ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter, applying
+        the mask itself: kernels that update params and buffers in place (``fused=True``,
+        ``_fused.py``). When set, the engine calls it instead of ``step_leaf``.
     """
 
     name: str
@@ -100,7 +101,7 @@ class Algorithm:
     step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     torch_step: str | None = "tensor"
     torch_state_at_init: bool = False
-    fused_step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None
+    fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
 
 
 def make_optimizer(
@@ -162,26 +163,39 @@ def make_optimizer(
         names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
         hp = dict(state.hparams)
+        stepping = [i for i, g in enumerate(g_leaves) if g is not None]
+        olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
+        # materialized once and read by the fusions: reading the old count in them would
+        # make XLA copy it before overwriting it in place
+        steps = {i: jax.lax.optimization_barrier(olds[i]["step"] + 1) for i in stepping}
+        rest = {i: {n: v for n, v in olds[i].items() if n != "step"} for i in stepping}
+        if algorithm.fused_step is not None:
+            leaves = [(p_leaves[i], g_leaves[i], rest[i], steps[i], m_leaves[i]) for i in stepping]
+            results = dict(zip(stepping, algorithm.fused_step(leaves, hp, static)))
+        else:
+            results = {
+                i: algorithm.step_leaf(p_leaves[i], g_leaves[i], rest[i], steps[i], hp, static)
+                for i in stepping
+            }
         new_p, new_b = [], [[] for _ in names]
-        for i, (p, g, m) in enumerate(zip(p_leaves, g_leaves, m_leaves)):
-            old = {n: b_leaves[j][i] for j, n in enumerate(names)}
-            if g is None:
+        for i, (p, m) in enumerate(zip(p_leaves, m_leaves)):
+            old = olds[i]
+            if i not in results:  # a None gradient: nothing moves
                 out_p, out = p, old
             else:
-                # materialized once and read by the fusions: reading the old count in them
-                # would make XLA copy it before overwriting it in place
-                step = jax.lax.optimization_barrier(old["step"] + 1)
-                bufs = {n: v for n, v in old.items() if n != "step"}
-                if algorithm.fused_step_leaf is not None:
-                    out_p, out = algorithm.fused_step_leaf(p, g, bufs, step, hp, static, m)
-                    out = {"step": step if m is None else jnp.where(m, step, old["step"]), **out}
-                    m = None
-                else:
-                    out_p, out = algorithm.step_leaf(p, g, bufs, step, hp, static)
-                    out = {"step": step, **out}
+                out_p, out = results[i]
+                out = {"step": steps[i], **out}
                 if m is not None:
-                    out_p = jnp.where(m, out_p, p)
-                    out = {n: None if old[n] is None else jnp.where(m, out[n], old[n]) for n in names}
+                    masked = algorithm.fused_step is not None  # the kernels applied it already
+                    out_p = out_p if masked else jnp.where(m, out_p, p)
+                    out = {
+                        n: None
+                        if old[n] is None
+                        else out[n]
+                        if masked and n != "step"
+                        else jnp.where(m, out[n], old[n])
+                        for n in names
+                    }
             new_p.append(out_p)
             for j, n in enumerate(names):
                 new_b[j].append(out[n])

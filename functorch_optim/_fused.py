@@ -92,37 +92,44 @@ def load_kernels() -> str:
     return str(library)
 
 
+Leaf = tuple[jax.Array, jax.Array, dict[str, jax.Array], jax.Array, Any]
+"""One parameter's ``(param, grad, buffers, step, active)``; ``active`` is its
+``grad_mask`` flag or ``None``."""
+
+
 def _call(
-    target: str,
-    param: jax.Array,
-    grad: jax.Array,
-    buffers: list[jax.Array],
-    scalars: list,
-    flags: list,
-    **attrs,
-) -> tuple[jax.Array, list[jax.Array]]:
-    dtype = param.dtype
-    operands = [param, grad.astype(dtype), *buffers]
+    target: str, leaves: list[Leaf], names: list[str], scalars: list, flags: list, **attrs: bool
+) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
+    """One kernel call for ``leaves`` (one dtype). ``scalars`` / ``flags``: per-parameter
+    values, each a scalar (the same for all) or a vector over the leaves."""
+    dtype = leaves[0][0].dtype
+    count = len(leaves)
+    params = [leaf[0] for leaf in leaves]
+    grads = [leaf[1].astype(dtype) for leaf in leaves]
+    buffers = [leaf[2][n] for n in names for leaf in leaves]
+    c = caster(dtype)
+    scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
+    flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
+    outputs = [*params, *buffers]
     out = jax.ffi.ffi_call(
         target,
-        [jax.ShapeDtypeStruct(x.shape, dtype) for x in [param, *buffers]],
-        input_output_aliases={0: 0, **{i + 2: i + 1 for i in range(len(buffers))}},
+        [jax.ShapeDtypeStruct(x.shape, dtype) for x in outputs],
+        # params -> outputs 0..L-1, buffers -> the rest (the grads sit between)
+        input_output_aliases={
+            **{i: i for i in range(count)},
+            **{2 * count + j: count + j for j in range(len(buffers))},
+        },
         vmap_method="sequential",
-    )(
-        *operands,
-        jnp.stack([caster(dtype)(s).astype(dtype) for s in scalars]),
-        jnp.stack([jnp.asarray(f, jnp.int32) for f in flags]),
-        **{k: bool(v) for k, v in attrs.items()},
-    )
-    return out[0], list(out[1:])
+    )(*params, *grads, *buffers, scalars, flags, count=np.int64(count), **attrs)
+    return [(out[i], {n: out[count + k * count + i] for k, n in enumerate(names)}) for i in range(count)]
 
 
 def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorithm:
-    """``algorithm`` with ``kernel`` as its ``fused_step_leaf``. Builds the kernel library
-    now, so that a missing compiler is reported at construction, before any state exists.
+    """``algorithm`` with ``kernel`` as its ``fused_step``. Builds the kernel library now,
+    so that a missing compiler is reported at construction, before any state exists.
     (torch's "floating point params only" check for ``fused`` is every optimizer's here.)"""
     load_kernels()
-    return dataclasses.replace(algorithm, fused_step_leaf=_fused_rule(kernel, algorithm.step_leaf))
+    return dataclasses.replace(algorithm, fused_step=_fused_step(kernel, algorithm.step_leaf))
 
 
 def _explicitly_sharded(x: jax.Array) -> bool:
@@ -132,78 +139,68 @@ def _explicitly_sharded(x: jax.Array) -> bool:
     return spec is not None and any(axis is not None for axis in spec)
 
 
-def _fused_rule(
-    kernel: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
+def _fused_step(
+    kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]],
     rule: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
-) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
-    # ``kernel`` on CPU for float32/float64 parameters; elsewhere ``rule`` (the jitted
-    # per-parameter rule) and then the mask, as the engine would apply it
+) -> Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]:
+    # ``kernel``: one call per dtype on CPU for the float32/float64 parameters; elsewhere,
+    # and for every other parameter, ``rule`` (the jitted per-parameter rule) and the mask
 
-    def masked_rule(param, grad, buffers, step, hp, static, active):
+    def masked_rule(leaf, hp, static):
+        param, grad, buffers, step, active = leaf
         new_param, new = rule(param, grad, buffers, step, hp, static)
         if active is None:
             return new_param, new
         return jnp.where(active, new_param, param), {n: jnp.where(active, new[n], buffers[n]) for n in new}
 
-    def step_leaf(param, grad, buffers, step, hp, static, active):
-        if param.dtype not in _KERNEL_DTYPES or _explicitly_sharded(param):
-            return masked_rule(param, grad, buffers, step, hp, static, active)
-        active = jnp.asarray(True if active is None else active)
-        return jax.lax.platform_dependent(
-            param,
-            grad,
-            buffers,
-            step,
-            hp,
-            active,
-            cpu=lambda *a: kernel(*a[:5], static, a[5]),
-            default=lambda *a: masked_rule(*a[:5], static, a[5]),
-        )
+    def fused_step(leaves: list[Leaf], hp, static) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
+        out: list[Any] = [None] * len(leaves)
+        groups: dict[Any, list[int]] = {}
+        for i, leaf in enumerate(leaves):
+            param = leaf[0]
+            if param.dtype in _KERNEL_DTYPES and param.size and not _explicitly_sharded(param):
+                groups.setdefault(param.dtype, []).append(i)
+            else:
+                out[i] = masked_rule(leaf, hp, static)
+        for indices in groups.values():
+            group = [
+                (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
+            ]
+            results = jax.lax.platform_dependent(
+                group,
+                hp,
+                cpu=lambda g, h: kernel(g, h, static),
+                default=lambda g, h: [masked_rule(leaf, h, static) for leaf in g],
+            )
+            for i, result in zip(indices, results):
+                out[i] = result
+        return out
 
-    return step_leaf
+    return fused_step
 
 
-def sgd_kernel(
-    param: jax.Array,
-    grad: jax.Array,
-    buffers: Mapping[str, jax.Array],
-    step: jax.Array,
-    hp: Mapping[str, Any],
-    static: Mapping[str, Any],
-    active: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """SGD's rule (``_sgd._step_leaf``) as one kernel call; same scalars, same rounding."""
-    names = ["momentum_buffer"] if static["has_momentum"] else []
-    scalars = [-hp["lr"], hp["momentum"], 1 - hp["dampening"], hp["weight_decay"]]
-    flags = [active, hp["weight_decay"] != 0, step == 1, hp["momentum"] != 0]
-    new_param, new = _call(
+def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any]) -> list:
+    """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call;
+    the same scalars and the same rounding."""
+    steps = jnp.stack([leaf[3] for leaf in leaves])
+    active = jnp.stack([leaf[4] for leaf in leaves])
+    return _call(
         "fo_sgd",
-        param,
-        grad,
-        [buffers[n] for n in names],
-        scalars,
-        flags,
+        leaves,
+        ["momentum_buffer"] if static["has_momentum"] else [],
+        [-hp["lr"], hp["momentum"], 1 - hp["dampening"], hp["weight_decay"]],
+        [active, hp["weight_decay"] != 0, steps == 1, hp["momentum"] != 0],
         has_momentum=static["has_momentum"],
         nesterov=static["nesterov"],
         maximize=static["maximize"],
     )
-    return new_param, dict(zip(names, new))
 
 
-def adam_kernel(
-    param: jax.Array,
-    grad: jax.Array,
-    buffers: Mapping[str, jax.Array],
-    step: jax.Array,
-    hp: Mapping[str, Any],
-    static: Mapping[str, Any],
-    active: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Adam's and AdamW's rule (``_adam._step_leaf``) as one kernel call."""
-    c = caster(param.dtype)
-    names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if static["amsgrad"] else [])
+def adam_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any]) -> list:
+    """Adam's and AdamW's rule (``_adam._step_leaf``) for every parameter of one dtype."""
+    c = caster(leaves[0][0].dtype)
     lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
-    t = step_as_float(step, hp)
+    t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]), hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
     weight = c(1 - beta1)
@@ -218,16 +215,14 @@ def adam_kernel(
         eps,
         -(lr / bias_correction1),
     ]
-    flags = [active, wd != 0, jnp.abs(weight) < 0.5]
-    new_param, new = _call(
+    flags = [jnp.stack([leaf[4] for leaf in leaves]), wd != 0, jnp.abs(weight) < 0.5]
+    return _call(
         "fo_adam",
-        param,
-        grad,
-        [buffers[n] for n in names],
+        leaves,
+        ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if static["amsgrad"] else []),
         scalars,
         flags,
         maximize=static["maximize"],
         decoupled=static["decoupled_weight_decay"],
         amsgrad=static["amsgrad"],
     )
-    return new_param, dict(zip(names, new))

@@ -23,6 +23,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -30,39 +31,39 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Elements per task: big enough that scheduling costs nothing, small enough to balance.
+// Elements per work item: big enough that scheduling costs nothing, small enough to
+// balance the threads.
 constexpr int64_t kGrain = 1 << 16;
 
-// Runs body(lo, hi) over [0, n) on the caller and the pool's threads. Workers take chunks
-// from a shared counter; the caller never waits on a task that has not started (the pool
-// may be busy with other kernels of the same step), only on chunks in progress.
-template <typename Body>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
+// Runs item(i) for i in [0, items) on the caller and the pool's threads. Workers take
+// items from a shared counter; the caller never waits on a task that has not started
+// (the pool may be busy with other work of the same step), only on items in progress.
+template <typename Item>
+void ParallelFor(ffi::ThreadPool& pool, int64_t items, Item item) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (chunks <= 1 || threads <= 1) {
-    body(0, n);
+  if (items <= 1 || threads <= 1) {
+    for (int64_t i = 0; i < items; ++i) item(i);
     return;
   }
   struct Shared {
-    Body body;
-    int64_t n, chunks;
+    Item item;
+    int64_t items;
     std::atomic<int64_t> next{0}, done{0};
-    Shared(Body b, int64_t n, int64_t c) : body(std::move(b)), n(n), chunks(c) {}
+    Shared(Item f, int64_t n) : item(std::move(f)), items(n) {}
     void Run() {
-      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-        body(c * kGrain, std::min(n, (c + 1) * kGrain));
-        if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks) done.notify_all();
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+        item(i);
+        if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == items) done.notify_all();
       }
     }
   };
-  auto shared = std::make_shared<Shared>(std::move(body), n, chunks);
-  const int64_t helpers = std::min(threads, chunks) - 1;
+  auto shared = std::make_shared<Shared>(std::move(item), items);
+  const int64_t helpers = std::min(threads, items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Run(); });
   shared->Run();
-  // sleep (futex), not spin, while a worker finishes its last chunk: on a busy machine
+  // sleep (futex), not spin, while a worker finishes its last item: on a busy machine
   // spinning would take the core that worker needs
-  for (int64_t d; (d = shared->done.load(std::memory_order_acquire)) < chunks;) shared->done.wait(d);
+  for (int64_t d; (d = shared->done.load(std::memory_order_acquire)) < items;) shared->done.wait(d);
 }
 
 // Calls f(std::integral_constant<bool, b>...) so that flags become compile-time constants
@@ -105,24 +106,6 @@ void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* 
   }
 }
 
-template <typename T>
-void Sgd(ffi::ThreadPool& pool, int64_t n, T* p, const T* g, T* buf, const T* s, const int32_t* f,
-         bool has_momentum, bool nesterov, bool maximize) {
-  if (!f[0]) return;  // grad_mask: outputs alias inputs, unchanged
-  const T neg_lr = s[0], mom = s[1], damp1 = s[2], wd = s[3];
-  const T sign = maximize ? T(-1) : T(1);  // -g exactly
-  const bool first = f[2];
-  // the loop is a plain function of plain values: the vectorizer then knows that the
-  // stores cannot change the scalars (captured in a closure, they could alias)
-  WithFlags(
-      [&](auto kWd, auto kUse) {
-        ParallelFor(pool, n, [=](int64_t lo, int64_t hi) {
-          SgdLoop<T, kWd, kUse>(lo, hi, p, g, buf, neg_lr, mom, damp1, wd, sign, first, nesterov);
-        });
-      },
-      bool(f[1]), has_momentum && f[3]);
-}
-
 // --------------------------------------------------------------------------------- Adam
 // scalars: [1 - lr*wd, wd, w = 1 - beta1, 1 - w, beta2, 1 - beta2, 1 / sqrt(bc2), eps, -lr/bc1]
 // flags:   [active, weight_decay != 0, |w| < 0.5]
@@ -157,94 +140,139 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
   }
 }
 
+// ----------------------------------------------------------------------- the call
+// One call updates every parameter of one dtype. ``args`` = params[L], grads[L], then
+// each buffer kind's L arrays, then scalars [L, S] (the parameters' dtype) and flags
+// [L, F] (int32, flags[i][0] = "parameter i takes this step"); ``rets`` = params[L] and
+// the buffers, each aliasing its argument.
 template <typename T>
-void Adam(ffi::ThreadPool& pool, int64_t n, T* p, const T* g, T* m, T* v, T* vmax, const T* s,
-          const int32_t* f, bool maximize, bool decoupled) {
-  if (!f[0]) return;
-  const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
-                         maximize ? T(-1) : T(1), bool(f[2])};
-  WithFlags(
-      [&](auto kDecay, auto kCoupled, auto kAms) {
-        ParallelFor(pool, n, [=](int64_t lo, int64_t hi) {
-          AdamLoop<T, kDecay, kCoupled, kAms>(lo, hi, p, g, m, v, vmax, c);
-        });
-      },
-      decoupled && f[1], !decoupled && f[1], vmax != nullptr);
-}
-
-// The operands of one call: ``args`` = param, grad, buffers..., scalars, flags and
-// ``rets`` = param, buffers... (each aliasing its argument), all of the parameter's dtype.
-struct Operands {
-  ffi::RemainingArgs args;
-  ffi::RemainingRets rets;
-  ffi::DataType dtype() const { return args.get<ffi::AnyBuffer>(0).value().element_type(); }
-  int64_t size() const { return args.get<ffi::AnyBuffer>(0).value().element_count(); }
-  template <typename T>
-  const T* in(size_t i) const {
-    return static_cast<const T*>(args.get<ffi::AnyBuffer>(i).value().untyped_data());
-  }
-  template <typename T>
-  T* out(size_t i) const {
-    return static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data());
-  }
-  // Every array operand shaped and typed like the parameter; scalars and int32 flags after.
-  ffi::Error Check(const char* name, size_t buffers) const {
-    if (args.size() != buffers + 4 || rets.size() != buffers + 1) {
-      return ffi::Error::InvalidArgument(std::string(name) + ": wrong number of operands");
-    }
-    const ffi::DataType t = dtype();
-    if (t != ffi::F32 && t != ffi::F64) {
-      return ffi::Error::InvalidArgument(std::string(name) + ": float32 or float64 only");
-    }
-    for (size_t i = 1; i < buffers + 2; ++i) {
-      ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(i).value();
-      if (b.element_type() != t || b.element_count() != size()) {
-        return ffi::Error::InvalidArgument(std::string(name) + ": operand unlike the parameter");
-      }
-    }
-    if (args.get<ffi::AnyBuffer>(buffers + 2).value().element_type() != t ||
-        args.get<ffi::AnyBuffer>(buffers + 3).value().element_type() != ffi::S32) {
-      return ffi::Error::InvalidArgument(std::string(name) + ": bad scalars or flags");
-    }
-    return ffi::Error::Success();
-  }
+struct Leaves {
+  int64_t count = 0, buffers = 0;
+  std::vector<int64_t> size;
+  std::vector<T*> param;
+  std::vector<const T*> grad;
+  std::vector<T*> buffer;  // buffer[k * count + i]
+  const T* scalars = nullptr;
+  const int32_t* flags = nullptr;
+  T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
 };
 
-// Runs fn(T{}) with T the parameter's C++ type.
-template <typename F>
-void ByDtype(const Operands& ops, F&& fn) {
-  if (ops.dtype() == ffi::F32) {
-    fn(float{});
-  } else {
-    fn(double{});
+template <typename T>
+ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
+                  int64_t buffers, int64_t n_scalars, int64_t n_flags, Leaves<T>& out) {
+  auto fail = [&](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
+  };
+  if (count < 1 || static_cast<int64_t>(args.size()) != (2 + buffers) * count + 2 ||
+      static_cast<int64_t>(rets.size()) != (1 + buffers) * count) {
+    return fail("wrong number of operands");
   }
+  const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
+  out.count = count;
+  out.buffers = buffers;
+  for (int64_t j = 0; j < (2 + buffers) * count; ++j) {
+    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(j).value();
+    const int64_t i = j % count;
+    if (b.element_type() != dtype) return fail("operand of another dtype");
+    if (j < count) {
+      out.size.push_back(b.element_count());
+      out.param.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data()));
+    } else if (b.element_count() != out.size[i]) {
+      return fail("operand unlike its parameter");
+    } else if (j < 2 * count) {
+      out.grad.push_back(static_cast<const T*>(b.untyped_data()));
+    } else {
+      out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
+    }
+  }
+  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((2 + buffers) * count).value();
+  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((2 + buffers) * count + 1).value();
+  if (scalars.element_type() != dtype || scalars.element_count() != count * n_scalars ||
+      flags.element_type() != ffi::S32 || flags.element_count() != count * n_flags) {
+    return fail("bad scalars or flags");
+  }
+  out.scalars = static_cast<const T*>(scalars.untyped_data());
+  out.flags = static_cast<const int32_t*>(flags.untyped_data());
+  return ffi::Error::Success();
 }
 
-ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
+// Runs rule(leaf, lo, hi) over the elements of every active leaf, in items of kGrain.
+template <typename T, typename Rule>
+void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, int64_t n_flags, Rule rule) {
+  struct Item {
+    int64_t leaf, lo, hi;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < leaves.count; ++i) {
+    if (!leaves.flags[i * n_flags]) continue;  // grad_mask: outputs alias inputs, unchanged
+    for (int64_t lo = 0; lo < leaves.size[i]; lo += kGrain) {
+      items.push_back({i, lo, std::min(leaves.size[i], lo + kGrain)});
+    }
+  }
+  ParallelFor(pool, static_cast<int64_t>(items.size()), [&items, &rule](int64_t k) {
+    rule(items[k].leaf, items[k].lo, items[k].hi);
+  });
+}
+
+template <typename T>
+void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maximize) {
+  ForEachItem(pool, x, 4, [&](int64_t i, int64_t lo, int64_t hi) {
+    const T* s = x.scalars + 4 * i;  // -lr, momentum, 1 - dampening, weight_decay
+    const int32_t* f = x.flags + 4 * i;  // active, weight_decay != 0, step == 1, momentum != 0
+    WithFlags(
+        [&](auto kWd, auto kUse) {
+          SgdLoop<T, kWd, kUse>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), s[0], s[1], s[2], s[3],
+                                maximize ? T(-1) : T(1), bool(f[2]), nesterov);
+        },
+        bool(f[1]), x.buffers > 0 && f[3]);
+  });
+}
+
+template <typename T>
+void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool decoupled) {
+  ForEachItem(pool, x, 3, [&](int64_t i, int64_t lo, int64_t hi) {
+    const T* s = x.scalars + 9 * i;
+    const int32_t* f = x.flags + 3 * i;  // active, weight_decay != 0, |w| < 0.5
+    const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                           maximize ? T(-1) : T(1), bool(f[2])};
+    WithFlags(
+        [&](auto kDecay, auto kCoupled, auto kAms) {
+          AdamLoop<T, kDecay, kCoupled, kAms>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i),
+                                              x.buf(2, i), c);
+        },
+        decoupled && f[1], !decoupled && f[1], x.buffers == 3);
+  });
+}
+
+// Runs step(leaves) with T the operands' C++ type.
+template <typename Step>
+ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
+                    int64_t buffers, int64_t n_scalars, int64_t n_flags, Step step) {
+  if (args.size() == 0) return ffi::Error::InvalidArgument(std::string(name) + ": no operands");
+  const ffi::DataType dtype = args.get<ffi::AnyBuffer>(0).value().element_type();
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    Leaves<T> leaves;
+    ffi::Error e = Unpack<T>(name, args, rets, count, buffers, n_scalars, n_flags, leaves);
+    if (e.failure()) return e;
+    step(leaves);
+    return ffi::Error::Success();
+  };
+  if (dtype == ffi::F32) return run(float{});
+  if (dtype == ffi::F64) return run(double{});
+  return ffi::Error::InvalidArgument(std::string(name) + ": float32 or float64 parameters only");
+}
+
+ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
                    bool has_momentum, bool nesterov, bool maximize) {
-  const Operands ops{args, rets};
-  const size_t k = has_momentum ? 1 : 0;
-  if (ffi::Error e = ops.Check("fused SGD", k); e.failure()) return e;
-  ByDtype(ops, [&](auto zero) {
-    using T = decltype(zero);
-    Sgd<T>(pool, ops.size(), ops.out<T>(0), ops.in<T>(1), k ? ops.out<T>(1) : nullptr,
-           ops.in<T>(k + 2), ops.in<int32_t>(k + 3), has_momentum, nesterov, maximize);
-  });
-  return ffi::Error::Success();
+  return Dispatch("fused SGD", args, rets, count, has_momentum ? 1 : 0, 4, 4,
+                  [&](const auto& leaves) { SgdStep(pool, leaves, nesterov, maximize); });
 }
 
-ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
+ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
                     bool maximize, bool decoupled, bool amsgrad) {
-  const Operands ops{args, rets};
-  const size_t k = amsgrad ? 3 : 2;
-  if (ffi::Error e = ops.Check("fused Adam", k); e.failure()) return e;
-  ByDtype(ops, [&](auto zero) {
-    using T = decltype(zero);
-    Adam<T>(pool, ops.size(), ops.out<T>(0), ops.in<T>(1), ops.out<T>(1), ops.out<T>(2),
-            amsgrad ? ops.out<T>(3) : nullptr, ops.in<T>(k + 2), ops.in<int32_t>(k + 3),
-            maximize, decoupled);
-  });
-  return ffi::Error::Success();
+  return Dispatch("fused Adam", args, rets, count, amsgrad ? 3 : 2, 9, 3,
+                  [&](const auto& leaves) { AdamStep(pool, leaves, maximize, decoupled); });
 }
 
 }  // namespace
@@ -254,6 +282,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoSgd, SgdImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("count")
                                   .Attr<bool>("has_momentum")
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("maximize"));
@@ -263,6 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdam, AdamImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("count")
                                   .Attr<bool>("maximize")
                                   .Attr<bool>("decoupled")
                                   .Attr<bool>("amsgrad"));
