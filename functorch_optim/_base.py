@@ -88,6 +88,13 @@ class Algorithm:
         (SparseAdam); ``None``, no ``step`` at all (SGD).
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
+      prepare: optional ``(hparams, dtype, static) -> mapping``: the scalar work of the
+        rule that depends only on the hyperparameters and the parameter dtype (casts to
+        the compute dtype, ``weight_decay != 0`` flags, ``-lr``, ...). The engine calls it
+        once per parameter dtype and step and passes its result to ``step_leaf`` as
+        ``hparams``, instead of each parameter repeating the same scalar ops (a step over
+        1000 leaves would trace, lower and optimize them 1000 times). Default None:
+        ``step_leaf`` gets the hyperparameters themselves.
     """
 
     name: str
@@ -96,6 +103,7 @@ class Algorithm:
     step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     torch_step: str | None = "tensor"
     torch_state_at_init: bool = False
+    prepare: Callable[[Mapping[str, Any], Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
 
 
 def make_optimizer(
@@ -157,17 +165,23 @@ def make_optimizer(
         names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
         hp = dict(state.hparams)
+        one = _runtime_one(state.count)
+        prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
         new_p, new_b = [], [[] for _ in names]
         for i, (p, g, m) in enumerate(zip(p_leaves, g_leaves, m_leaves)):
             old = {n: b_leaves[j][i] for j, n in enumerate(names)}
             if g is None:
                 out_p, out = p, old
             else:
-                # materialized once and read by the fusions: reading the old count in them
-                # would make XLA copy it before overwriting it in place
-                step = jax.lax.optimization_barrier(old["step"] + 1)
+                step = old["step"] + one
                 bufs = {n: v for n, v in old.items() if n != "step"}
-                out_p, out = algorithm.step_leaf(p, g, bufs, step, hp, static)
+                leaf_hp = hp
+                if algorithm.prepare is not None:
+                    dtype = jnp.dtype(p.dtype)
+                    if dtype not in prepared:
+                        prepared[dtype] = algorithm.prepare(hp, dtype, static)
+                    leaf_hp = prepared[dtype]
+                out_p, out = algorithm.step_leaf(p, g, bufs, step, leaf_hp, static)
                 out = {"step": step, **out}
                 if m is not None:
                     out_p = jnp.where(m, out_p, p)
@@ -199,6 +213,22 @@ def make_optimizer(
     setattr(update, ALGORITHM_ATTR, algorithm)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
+
+
+def _runtime_one(count: jax.Array) -> jax.Array:
+    """The int32 scalar 1, computed from ``count`` so that XLA cannot fold it to a constant.
+
+    Each parameter's counter advances as ``step + one`` (the value of ``step + 1``).
+    With a constant 1, XLA's CPU fusion re-derives ``step + 1`` from the old counter
+    inside every fusion that reads it; the old counter then has readers besides the
+    kernel that overwrites it in place (the counters are donated), and XLA copies every
+    counter first: one more kernel per parameter, and more copy-insertion work, in the
+    compile time of a step over many leaves. An add of two runtime scalars is not
+    duplicated into its consumers, so each counter gets one scalar kernel, which the
+    fusions read after it ran (``tests/test_base.py`` checks that no copies remain).
+    ``(count | 1) & 1`` is 1 for every ``count``.
+    """
+    return (jnp.asarray(count).astype(jnp.int32) | 1) & 1
 
 
 def _is_scheduled(value: Any) -> bool:
