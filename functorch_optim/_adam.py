@@ -24,10 +24,7 @@ from functorch_optim._checks import (
 )
 from functorch_optim._fused import adam_kernel, fused_algorithm
 from functorch_optim._torch_ops import (
-    apply_weight_decay,
     caster,
-    decay_square,
-    lerp,
     signed_grad,
     step_as_float,
 )
@@ -42,16 +39,60 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
     return buffers
 
 
+def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> dict[str, Any]:
+    """The rule's scalars for parameters of ``dtype``, computed once per step (not per leaf).
+
+    The same operations as torch's per-op emulation in ``_torch_ops`` (``lerp``,
+    ``decay_square``, ``apply_weight_decay``), on the scalar operands only; the raw
+    ``lr`` and betas stay for the bias corrections, which depend on each leaf's step.
+    """
+    c = caster(dtype)
+    lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
+    weight = c(1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
+    out = {
+        "lr": lr,
+        "betas": (beta1, beta2),
+        "use_weight_decay": wd != 0,
+        "lerp_weight": weight,
+        "lerp_small_weight": jnp.abs(weight) < 0.5,
+        "lerp_one_minus_weight": 1 - weight,
+        "beta2": c(beta2),
+        "one_minus_beta2": c(1 - beta2),
+        "eps": c(eps),
+    }
+    if static["decoupled_weight_decay"]:
+        # param.mul_(1 - lr * weight_decay), a multiply by exactly 1 without decay (as
+        # apply_weight_decay: one multiply in every context, so XLA contracts it alike)
+        out["param_decay"] = c(jnp.where(wd != 0, 1 - lr * wd, 1))
+    else:
+        out["weight_decay"] = c(wd)  # grad.add(param, alpha=weight_decay)
+    return out
+
+
 def _step_leaf(param, grad, buffers, step, hp, static):
+    # ``hp`` holds ``_prepare``'s scalars; each line is the op of the ``_torch_ops``
+    # helper named beside it, with its scalar operands taken from ``hp``
     dtype = param.dtype
     c = caster(dtype)
-    lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
     grad = signed_grad(grad, dtype, static["maximize"])
-    param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])
-    exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
-    exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
+    if static["decoupled_weight_decay"]:  # apply_weight_decay(..., decoupled=True)
+        param = (c(param) * hp["param_decay"]).astype(dtype)
+    else:  # apply_weight_decay(..., decoupled=False)
+        coupled = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
+        grad = jnp.where(hp["use_weight_decay"], coupled, grad)
+    # lerp(exp_avg, grad, 1 - beta1): torch's two-branch CPU formula
+    start, end = c(buffers["exp_avg"]), c(grad)
+    diff = end - start
+    weight = hp["lerp_weight"]
+    exp_avg = jnp.where(
+        hp["lerp_small_weight"], start + weight * diff, end - diff * hp["lerp_one_minus_weight"]
+    ).astype(dtype)
+    # decay_square(exp_avg_sq, grad, beta2)
+    decayed_sq = (c(buffers["exp_avg_sq"]) * hp["beta2"]).astype(dtype)
+    exp_avg_sq = (c(decayed_sq) + hp["one_minus_beta2"] * c(grad) * c(grad)).astype(dtype)
     out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     # torch: scalars from ``step`` as a Python float, i.e. in double
+    lr, (beta1, beta2) = hp["lr"], hp["betas"]
     t = step_as_float(step, hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
@@ -65,17 +106,25 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # denom = (v.sqrt() / bias_correction2_sqrt).add_(eps), one rounding per op
     denom = jnp.sqrt(c(second)).astype(dtype)
     denom = (c(denom) / c(bias_correction2_sqrt)).astype(dtype)
-    denom = (c(denom) + c(eps)).astype(dtype)
+    denom = (c(denom) + hp["eps"]).astype(dtype)
     # param.addcdiv_(exp_avg, denom, value=-step_size): (value * t1) / t2 on CPU
     new_param = (c(param) + c(-step_size) * c(exp_avg) / c(denom)).astype(dtype)
     return new_param, out
 
 
 ADAM_ALGORITHM = Algorithm(
-    name="Adam", validate=validate_lr_eps_betas_wd, init_leaf=_init_leaf, step_leaf=_step_leaf
+    name="Adam",
+    validate=validate_lr_eps_betas_wd,
+    init_leaf=_init_leaf,
+    step_leaf=_step_leaf,
+    prepare=_prepare,
 )
 ADAMW_ALGORITHM = Algorithm(
-    name="AdamW", validate=validate_lr_eps_betas_wd, init_leaf=_init_leaf, step_leaf=_step_leaf
+    name="AdamW",
+    validate=validate_lr_eps_betas_wd,
+    init_leaf=_init_leaf,
+    step_leaf=_step_leaf,
+    prepare=_prepare,
 )
 
 

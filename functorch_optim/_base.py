@@ -93,6 +93,13 @@ class Algorithm:
         ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter, applying
         the mask itself: kernels that update params and buffers in place (``fused=True``,
         ``_fused.py``). When set, the engine calls it instead of ``step_leaf``.
+      prepare: optional ``(hparams, dtype, static) -> mapping``: the scalar work of the
+        rule that depends only on the hyperparameters and the parameter dtype (casts to
+        the compute dtype, ``weight_decay != 0`` flags, ``-lr``, ...). The engine calls it
+        once per parameter dtype and step and passes its result to ``step_leaf`` as
+        ``hparams``, instead of each parameter repeating the same scalar ops (a step over
+        1000 leaves would trace, lower and optimize them 1000 times). Default None:
+        ``step_leaf`` gets the hyperparameters themselves.
     """
 
     name: str
@@ -101,6 +108,7 @@ class Algorithm:
     step_leaf: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     torch_step: str | None = "tensor"
     torch_state_at_init: bool = False
+    prepare: Callable[[Mapping[str, Any], Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
     fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
 
 
@@ -165,16 +173,26 @@ def make_optimizer(
         hp = dict(state.hparams)
         stepping = [i for i, g in enumerate(g_leaves) if g is not None]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
-        # materialized once and read by the fusions: reading the old count in them would
-        # make XLA copy it before overwriting it in place
-        steps = {i: jax.lax.optimization_barrier(olds[i]["step"] + 1) for i in stepping}
+        one = _runtime_one(state.count)
+        steps = {i: olds[i]["step"] + one for i in stepping}
         rest = {i: {n: v for n, v in olds[i].items() if n != "step"} for i in stepping}
         if algorithm.fused_step is not None:
             leaves = [(p_leaves[i], g_leaves[i], rest[i], steps[i], m_leaves[i]) for i in stepping]
             results = dict(zip(stepping, algorithm.fused_step(leaves, hp, static)))
         else:
+            prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
+
+            def leaf_hp(dtype: Any) -> Mapping[str, Any]:
+                if algorithm.prepare is None:
+                    return hp
+                if dtype not in prepared:
+                    prepared[dtype] = algorithm.prepare(hp, dtype, static)
+                return prepared[dtype]
+
             results = {
-                i: algorithm.step_leaf(p_leaves[i], g_leaves[i], rest[i], steps[i], hp, static)
+                i: algorithm.step_leaf(
+                    p_leaves[i], g_leaves[i], rest[i], steps[i], leaf_hp(jnp.dtype(p_leaves[i].dtype)), static
+                )
                 for i in stepping
             }
         new_p, new_b = [], [[] for _ in names]
@@ -223,6 +241,22 @@ def make_optimizer(
     setattr(update, ALGORITHM_ATTR, algorithm)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
+
+
+def _runtime_one(count: jax.Array) -> jax.Array:
+    """The int32 scalar 1, computed from ``count`` so that XLA cannot fold it to a constant.
+
+    Each parameter's counter advances as ``step + one`` (the value of ``step + 1``).
+    With a constant 1, XLA's CPU fusion re-derives ``step + 1`` from the old counter
+    inside every fusion that reads it; the old counter then has readers besides the
+    kernel that overwrites it in place (the counters are donated), and XLA copies every
+    counter first: one more kernel per parameter, and more copy-insertion work, in the
+    compile time of a step over many leaves. An add of two runtime scalars is not
+    duplicated into its consumers, so each counter gets one scalar kernel, which the
+    fusions read after it ran (``tests/test_base.py`` checks that no copies remain).
+    ``(count | 1) & 1`` is 1 for every ``count``.
+    """
+    return (jnp.asarray(count).astype(jnp.int32) | 1) & 1
 
 
 def _is_scheduled(value: Any) -> bool:

@@ -129,7 +129,7 @@ def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorit
     so that a missing compiler is reported at construction, before any state exists.
     (torch's "floating point params only" check for ``fused`` is every optimizer's here.)"""
     load_kernels()
-    return dataclasses.replace(algorithm, fused_step=_fused_step(kernel, algorithm.step_leaf))
+    return dataclasses.replace(algorithm, fused_step=_fused_step(kernel, algorithm))
 
 
 def _explicitly_sharded(x: jax.Array) -> bool:
@@ -140,15 +140,16 @@ def _explicitly_sharded(x: jax.Array) -> bool:
 
 
 def _fused_step(
-    kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]],
-    rule: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
+    kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]], algorithm: Algorithm
 ) -> Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]:
     # ``kernel``: one call per dtype on CPU for the float32/float64 parameters; elsewhere,
-    # and for every other parameter, ``rule`` (the jitted per-parameter rule) and the mask
+    # and for every other parameter, the jitted per-parameter rule and the mask
 
     def masked_rule(leaf, hp, static):
         param, grad, buffers, step, active = leaf
-        new_param, new = rule(param, grad, buffers, step, hp, static)
+        if algorithm.prepare is not None:
+            hp = algorithm.prepare(hp, jnp.dtype(param.dtype), static)
+        new_param, new = algorithm.step_leaf(param, grad, buffers, step, hp, static)
         if active is None:
             return new_param, new
         return jnp.where(active, new_param, param), {n: jnp.where(active, new[n], buffers[n]) for n in new}

@@ -37,15 +37,31 @@ def _init_leaf(param: jax.Array, static: Mapping[str, Any]) -> dict[str, jax.Arr
     return {"momentum_buffer": jnp.zeros_like(param)} if static["has_momentum"] else {}
 
 
+def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The rule's scalars for parameters of ``dtype``, computed once per step (not per leaf)."""
+    c = caster(dtype)
+    wd, momentum = hp["weight_decay"], hp["momentum"]
+    return {
+        "weight_decay": c(wd),
+        "use_weight_decay": wd != 0,
+        "momentum": c(momentum),
+        "one_minus_dampening": c(1 - hp["dampening"]),
+        # torch skips the buffer entirely while momentum == 0 (set through set_hparams)
+        "use_momentum": momentum != 0,
+        "neg_lr": c(-hp["lr"]),
+    }
+
+
 def _step_leaf(param, grad, buffers, step, hp, static):
+    # ``hp`` holds ``_prepare``'s scalars, already in the compute dtype
     dtype = param.dtype
     c = caster(dtype)
-    wd = hp["weight_decay"]
 
     def effective_grad(param, grad):
         grad = signed_grad(grad, dtype, static["maximize"])
         # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
-        return jnp.where(wd != 0, (c(grad) + c(wd) * c(param)).astype(dtype), grad)
+        decayed = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
+        return jnp.where(hp["use_weight_decay"], decayed, grad)
 
     out = {}
     if not static["has_momentum"]:
@@ -55,12 +71,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         momentum = hp["momentum"]
         buf = buffers["momentum_buffer"]
         # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening), each op rounded
-        decayed = (c(buf) * c(momentum)).astype(dtype)
-        new_buf = (c(decayed) + c(1 - hp["dampening"]) * c(g)).astype(dtype)
+        decayed = (c(buf) * momentum).astype(dtype)
+        new_buf = (c(decayed) + hp["one_minus_dampening"] * c(g)).astype(dtype)
         # torch seeds a missing buffer with the raw gradient: dampening skipped on step 1
         new_buf = jnp.where(step == 1, g, new_buf)
-        # torch skips the buffer entirely while momentum == 0 (set through set_hparams)
-        use = momentum != 0
+        use = hp["use_momentum"]
         new_buf = jnp.where(use, new_buf, buf)
         out["momentum_buffer"] = new_buf
         # Two passes over memory, each fused by XLA: this one writes the buffer, the next
@@ -71,14 +86,19 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # donated parameter and buffer). Same operations, same rounding.
         param, grad = jax.lax.optimization_barrier((param, grad))
         g = effective_grad(param, grad)
-        direction = (c(g) + c(momentum) * c(new_buf)).astype(dtype) if static["nesterov"] else new_buf
+        direction = (c(g) + momentum * c(new_buf)).astype(dtype) if static["nesterov"] else new_buf
         grad = jnp.where(use, direction, g)
-    new_param = (c(param) + c(-hp["lr"]) * c(grad)).astype(dtype)
+    new_param = (c(param) + hp["neg_lr"] * c(grad)).astype(dtype)
     return new_param, out
 
 
 SGD_ALGORITHM = Algorithm(
-    name="SGD", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, torch_step=None
+    name="SGD",
+    validate=_validate,
+    init_leaf=_init_leaf,
+    step_leaf=_step_leaf,
+    torch_step=None,
+    prepare=_prepare,
 )
 
 

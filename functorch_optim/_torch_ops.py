@@ -27,7 +27,16 @@ def caster(dtype: Any) -> Cast:
     computed in float32 and rounded back after each op (``.astype(dtype)``).
     """
     ct = opmath_dtype(dtype)
-    return lambda x: jnp.asarray(x).astype(ct)
+
+    def c(x: Any) -> jax.Array:
+        x = jnp.asarray(x)
+        # already there: skip ``astype``'s no-op (a step over many leaves calls this
+        # thousands of times while tracing); a weak type must still become strong
+        if x.dtype == ct and not x.weak_type:
+            return x
+        return x.astype(ct)
+
+    return c
 
 
 def op_casts(dtype: Any) -> tuple[Cast, Cast, Cast]:
