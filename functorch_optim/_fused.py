@@ -40,6 +40,9 @@ SOURCE = Path(__file__).with_name("_fused_kernels.cc")
 _TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam"}
 _FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# Parameters per kernel call: XLA's compile time grows faster than linearly in the
+# operands of one call (1000 leaves in one call: 39 s; in calls of 128: 3.7 s).
+_LEAVES_PER_CALL = 128
 
 
 def _compiler() -> str:
@@ -163,7 +166,10 @@ def _fused_step(
                 groups.setdefault(param.dtype, []).append(i)
             else:
                 out[i] = masked_rule(leaf, hp, static)
-        for indices in groups.values():
+        batches = [
+            v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)
+        ]
+        for indices in batches:
             group = [
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
