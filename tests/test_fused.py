@@ -186,3 +186,15 @@ def test_mixed_dtypes_one_call_per_kernel_dtype():
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
     # float32 and float64 each one kernel call; bfloat16 runs the jitted rule
     assert len(re.findall(r"fo_adam", text)) == 2
+
+
+def test_many_parameters_are_split_into_bounded_calls():
+    n = _fused._LEAVES_PER_CALL + 3
+    params = {f"p{i:03d}": jnp.linspace(-1.0, 1.0, 3 + i % 4, dtype=jnp.float32) for i in range(n)}
+    make = lambda fused: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=fused)
+    _assert_same_bits(
+        _run(make(True), params, steps=2, mask=False), _run(make(False), params, steps=2, mask=False)
+    )
+    tx = make(True)
+    text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
+    assert len(re.findall(r"fo_sgd", text)) == 2
