@@ -89,10 +89,12 @@ class Algorithm:
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
       fused_step: optional; the rule for all parameters with a gradient at once,
-        ``(leaves, hparams, static) -> [(new_param, new_buffers), ...]`` with one
-        ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter, applying
-        the mask itself: kernels that update params and buffers in place (``fused=True``,
-        ``_fused.py``). When set, the engine calls it instead of ``step_leaf``.
+        ``(leaves, hparams_of, static) -> [(new_param, new_buffers), ...]`` with one
+        ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter and
+        ``hparams_of(dtype)`` what ``step_leaf`` gets as ``hparams`` for that dtype; it
+        applies the masks itself (``masked``): kernels that update params and buffers in
+        place (``fused=True``, ``_fused.py``). When set, the engine calls it instead of
+        ``step_leaf``.
       prepare: optional ``(hparams, dtype, static) -> mapping``: the scalar work of the
         rule that depends only on the hyperparameters and the parameter dtype (casts to
         the compute dtype, ``weight_decay != 0`` flags, ``-lr``, ...). The engine calls it
@@ -176,25 +178,25 @@ def make_optimizer(
         one = _runtime_one(state.count)
         steps = {i: olds[i]["step"] + one for i in stepping}
         rest = {i: {n: v for n, v in olds[i].items() if n != "step"} for i in stepping}
+        prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
+
+        def hparams_of(dtype: Any) -> Mapping[str, Any]:
+            dtype = jnp.dtype(dtype)
+            if algorithm.prepare is None:
+                return hp
+            if dtype not in prepared:
+                prepared[dtype] = algorithm.prepare(hp, dtype, static)
+            return prepared[dtype]
+
         if algorithm.fused_step is not None:
             leaves = [(p_leaves[i], g_leaves[i], rest[i], steps[i], m_leaves[i]) for i in stepping]
-            results = dict(zip(stepping, algorithm.fused_step(leaves, hp, static)))
+            results = dict(zip(stepping, algorithm.fused_step(leaves, hparams_of, static)))
         else:
-            prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
-
-            def leaf_hp(dtype: Any) -> Mapping[str, Any]:
-                if algorithm.prepare is None:
-                    return hp
-                if dtype not in prepared:
-                    prepared[dtype] = algorithm.prepare(hp, dtype, static)
-                return prepared[dtype]
-
-            results = {
-                i: algorithm.step_leaf(
-                    p_leaves[i], g_leaves[i], rest[i], steps[i], leaf_hp(jnp.dtype(p_leaves[i].dtype)), static
-                )
-                for i in stepping
-            }
+            results = {}
+            for i in stepping:
+                p = p_leaves[i]
+                new = algorithm.step_leaf(p, g_leaves[i], rest[i], steps[i], hparams_of(p.dtype), static)
+                results[i] = masked(m_leaves[i], *new, p, rest[i])
         new_p, new_b = [], [[] for _ in names]
         for i, (p, m) in enumerate(zip(p_leaves, m_leaves)):
             old = olds[i]
@@ -202,18 +204,7 @@ def make_optimizer(
                 out_p, out = p, old
             else:
                 out_p, out = results[i]
-                out = {"step": steps[i], **out}
-                if m is not None:
-                    masked = algorithm.fused_step is not None  # the kernels applied it already
-                    out_p = out_p if masked else jnp.where(m, out_p, p)
-                    out = {
-                        n: None
-                        if old[n] is None
-                        else out[n]
-                        if masked and n != "step"
-                        else jnp.where(m, out[n], old[n])
-                        for n in names
-                    }
+                out = {"step": steps[i] if m is None else jnp.where(m, steps[i], old["step"]), **out}
             new_p.append(out_p)
             for j, n in enumerate(names):
                 new_b[j].append(out[n])
@@ -241,6 +232,18 @@ def make_optimizer(
     setattr(update, ALGORITHM_ATTR, algorithm)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
+
+
+def masked(
+    active: Any, new_param: jax.Array, new: Mapping[str, Any], param: jax.Array, old: Mapping[str, Any]
+) -> tuple[jax.Array, dict[str, Any]]:
+    """A parameter's step result under its ``grad_mask`` flag ``active`` (``None``: no
+    mask): the new values where active, the old ones (bit for bit) where not. A buffer
+    this parameter does not have (``None``) stays ``None``."""
+    if active is None:
+        return new_param, dict(new)
+    where = lambda a, b: None if b is None else jnp.where(active, a, b)
+    return where(new_param, param), {n: where(v, old[n]) for n, v in new.items()}
 
 
 def _runtime_one(count: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ are bit-identical to ``fused=False`` (tests/test_fused.py asserts it).
 The kernel is compiled on first use with the system's C++ compiler (``$CXX``, else
 ``c++``/``g++``/``clang++``) against ``jax.ffi.include_dir()`` and cached in
 ``$FUNCTORCH_OPTIM_CACHE`` (default ``~/.cache/functorch_optim``), keyed by the source, the
-jaxlib version and the compiler. On other backends (GPU, TPU), where XLA fuses the step
+jaxlib version, the compiler and its flags (``library_path``). On other backends (GPU, TPU), where XLA fuses the step
 by itself, and for parameter dtypes other than float32/float64, the ordinary jitted rule
 runs instead (``jax.lax.platform_dependent``).
 """
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import Algorithm
+from functorch_optim._base import Algorithm, masked
 from functorch_optim._torch_ops import caster, step_as_float
 
 SOURCE = Path(__file__).with_name("_fused_kernels.cc")
@@ -60,6 +60,21 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("FUNCTORCH_OPTIM_CACHE", default))
 
 
+def library_path(compiler: str, flags: tuple[str, ...]) -> Path:
+    """Where the kernel library built by ``compiler`` with ``flags`` is cached: under
+    ``$FUNCTORCH_OPTIM_CACHE``, named by a hash of the source, jaxlib's version, the
+    compiler and the flags (a change of any rebuilds)."""
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        jax.lib.__version__.encode(),
+        compiler.encode(),
+        " ".join(flags).encode(),
+    ):
+        key.update(part)
+    return _cache_dir() / f"fused_kernels-{key.hexdigest()[:16]}.so"
+
+
 @functools.cache
 def load_kernels() -> str:
     """Build (once per source/jaxlib/compiler) and register the fused kernels.
@@ -71,15 +86,7 @@ def load_kernels() -> str:
       RuntimeError: no C++ compiler, or the build failed (the compiler's output is shown).
     """
     compiler = _compiler()
-    key = hashlib.sha256()
-    for part in (
-        SOURCE.read_bytes(),
-        jax.lib.__version__.encode(),
-        compiler.encode(),
-        " ".join(_FLAGS).encode(),
-    ):
-        key.update(part)
-    library = _cache_dir() / f"fused_kernels-{key.hexdigest()[:16]}.so"
+    library = library_path(compiler, _FLAGS)
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
@@ -148,16 +155,12 @@ def _fused_step(
     # ``kernel``: one call per dtype on CPU for the float32/float64 parameters; elsewhere,
     # and for every other parameter, the jitted per-parameter rule and the mask
 
-    def masked_rule(leaf, hp, static):
+    def rule(leaf, hparams_of, static):
         param, grad, buffers, step, active = leaf
-        if algorithm.prepare is not None:
-            hp = algorithm.prepare(hp, jnp.dtype(param.dtype), static)
-        new_param, new = algorithm.step_leaf(param, grad, buffers, step, hp, static)
-        if active is None:
-            return new_param, new
-        return jnp.where(active, new_param, param), {n: jnp.where(active, new[n], buffers[n]) for n in new}
+        new = algorithm.step_leaf(param, grad, buffers, step, hparams_of(param.dtype), static)
+        return masked(active, *new, param, buffers)
 
-    def fused_step(leaves: list[Leaf], hp, static) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
+    def fused_step(leaves: list[Leaf], hparams_of, static) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
         out: list[Any] = [None] * len(leaves)
         groups: dict[Any, list[int]] = {}
         for i, leaf in enumerate(leaves):
@@ -165,7 +168,7 @@ def _fused_step(
             if param.dtype in _KERNEL_DTYPES and param.size and not _explicitly_sharded(param):
                 groups.setdefault(param.dtype, []).append(i)
             else:
-                out[i] = masked_rule(leaf, hp, static)
+                out[i] = rule(leaf, hparams_of, static)
         batches = [
             v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)
         ]
@@ -173,11 +176,12 @@ def _fused_step(
             group = [
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
+            hp = hparams_of(group[0][0].dtype)
             results = jax.lax.platform_dependent(
                 group,
                 hp,
                 cpu=lambda g, h: kernel(g, h, static),
-                default=lambda g, h: [masked_rule(leaf, h, static) for leaf in g],
+                default=lambda g, h: [rule(leaf, lambda _: h, static) for leaf in g],
             )
             for i, result in zip(indices, results):
                 out[i] = result
@@ -187,16 +191,16 @@ def _fused_step(
 
 
 def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any]) -> list:
-    """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call;
-    the same scalars and the same rounding."""
+    """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call,
+    from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
     steps = jnp.stack([leaf[3] for leaf in leaves])
     active = jnp.stack([leaf[4] for leaf in leaves])
     return _call(
         "fo_sgd",
         leaves,
         ["momentum_buffer"] if static["has_momentum"] else [],
-        [-hp["lr"], hp["momentum"], 1 - hp["dampening"], hp["weight_decay"]],
-        [active, hp["weight_decay"] != 0, steps == 1, hp["momentum"] != 0],
+        [hp["neg_lr"], hp["momentum"], hp["one_minus_dampening"], hp["weight_decay"]],
+        [active, hp["use_weight_decay"], steps == 1, hp["use_momentum"]],
         has_momentum=static["has_momentum"],
         nesterov=static["nesterov"],
         maximize=static["maximize"],
@@ -204,25 +208,26 @@ def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, A
 
 
 def adam_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any]) -> list:
-    """Adam's and AdamW's rule (``_adam._step_leaf``) for every parameter of one dtype."""
+    """Adam's and AdamW's rule (``_adam._step_leaf``) for every parameter of one dtype, from
+    the rule's prepared scalars (``_adam._prepare``); bias corrections from each
+    parameter's own step, as the rule computes them."""
     c = caster(leaves[0][0].dtype)
-    lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
+    lr, (beta1, beta2) = hp["lr"], hp["betas"]
     t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]), hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
-    weight = c(1 - beta1)
     scalars = [
-        1 - lr * wd,
-        wd,
-        weight,
-        1 - weight,
-        beta2,
-        1 - beta2,
+        hp.get("param_decay", 1),  # only one of the two decays exists (static)
+        hp.get("weight_decay", 0),
+        hp["lerp_weight"],
+        hp["lerp_one_minus_weight"],
+        hp["beta2"],
+        hp["one_minus_beta2"],
         1 / c(jnp.sqrt(bias_correction2)),
-        eps,
+        hp["eps"],
         -(lr / bias_correction1),
     ]
-    flags = [jnp.stack([leaf[4] for leaf in leaves]), wd != 0, jnp.abs(weight) < 0.5]
+    flags = [jnp.stack([leaf[4] for leaf in leaves]), hp["use_weight_decay"], hp["lerp_small_weight"]]
     return _call(
         "fo_adam",
         leaves,

@@ -168,9 +168,11 @@ def test_a_missing_compiler_is_reported(monkeypatch):
 
 def test_kernel_library_is_cached_by_source_and_toolchain(tmp_path, monkeypatch):
     monkeypatch.setenv("FUNCTORCH_OPTIM_CACHE", str(tmp_path))
-    assert _fused._cache_dir() == tmp_path
-    path = _fused.load_kernels()
-    assert path.endswith(".so") and re.search(r"fused_kernels-[0-9a-f]{16}\.so$", path)
+    path = _fused.library_path("/usr/bin/c++", _fused._FLAGS)
+    assert path.parent == tmp_path and re.fullmatch(r"fused_kernels-[0-9a-f]{16}\.so", path.name)
+    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS) == path  # stable
+    assert _fused.library_path("/usr/bin/clang++", _fused._FLAGS) != path
+    assert _fused.library_path("/usr/bin/c++", (*_fused._FLAGS, "-O2")) != path
 
 
 def test_mixed_dtypes_one_call_per_kernel_dtype():
