@@ -22,9 +22,11 @@ class GradAccumulateState(NamedTuple):
       gradient_step: optimizer steps taken by the inner transformation (int32).
       acc_grads: the running sum of the window's gradients, one array per parameter, in
         at least float32 (bfloat16 and float16 gradients are summed in float32). After
-        a step it still holds the sum of the window just closed; the next call starts
-        the new window by overwriting it (no separate pass clears it). With
-        ``every=1`` it is not used (the gradient goes straight to the step).
+        a step it holds what the step was given, the window's sum (``"sum"``) or mean
+        (``"mean"``: the mean is written over the sum in the same pass that adds the
+        last gradient in, so it takes no memory of its own); the next call starts the
+        new window by overwriting it (no separate pass clears it). With ``every=1`` it
+        is not used (the gradient goes straight to the step).
       has_grad: whether any gradient arrived in the window, one boolean per parameter
         stacked in one array of shape ``(number of parameters,)``, in the order of
         ``jax.tree.leaves(params)``; a parameter without one is skipped like torch's
@@ -171,9 +173,7 @@ def grad_accumulate(
             lambda g, a: jnp.zeros_like(a) if g is None else g.astype(a.dtype), grads, acc, is_leaf=is_none
         )
 
-    def mean_grads(total, params):
-        if reduction == "mean" and every > 1:
-            total = jax.tree.map(lambda a: a / every, total)
+    def as_param_dtype(total, params):
         return jax.tree.map(lambda a, p: a.astype(p.dtype), total, params)
 
     def inner_kwargs(seen, all_seen, params, extra_args):
@@ -195,12 +195,17 @@ def grad_accumulate(
         if every == 1:
             # every call steps: no branch, and no pass over the accumulator
             acc = state.acc_grads
-            carry = step(carry, mean_grads(given(grads, acc), params), seen, all_seen)
+            carry = step(carry, as_param_dtype(given(grads, acc), params), seen, all_seen)
         else:
             acc = add_in(grads, state.acc_grads, fresh)
+            if reduction == "mean":
+                # the closing call overwrites the sum with the mean, in the pass that adds
+                # the last gradient in: a kernel that cannot fuse the division (fused=True)
+                # reads it from there, and no parameter-sized temporary exists
+                acc = jax.tree.map(lambda a: jnp.where(stepping, a / every, a), acc)
 
             def fn(c):
-                return step(c, mean_grads(acc, params), seen, all_seen)
+                return step(c, as_param_dtype(acc, params), seen, all_seen)
 
             if inner_step is not None:
                 carry = _run_if(stepping, fn, carry)

@@ -89,12 +89,14 @@ class Algorithm:
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
       fused_step: optional; the rule for all parameters with a gradient at once,
-        ``(leaves, hparams_of, static) -> [(new_param, new_buffers), ...]`` with one
-        ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter and
-        ``hparams_of(dtype)`` what ``step_leaf`` gets as ``hparams`` for that dtype; it
-        applies the masks itself (``masked``): kernels that update params and buffers in
-        place (``fused=True``, ``_fused.py``). When set, the engine calls it instead of
-        ``step_leaf``.
+        ``(leaves, hparams_of, static, one) -> [(new_param, new_buffers), ...]`` with one
+        ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter (``step``
+        the counter before this step, ``buffers`` without it), ``hparams_of(dtype)`` what
+        ``step_leaf`` gets as ``hparams`` for that dtype and ``one`` the runtime 1 the
+        counters advance by; the new buffers include the advanced ``step``, and it
+        applies the masks itself (``masked``): kernels that update params, buffers and
+        counters in place (``fused=True``, ``_fused.py``). When set, the engine calls it
+        instead of ``step_leaf``.
       prepare: optional ``(hparams, dtype, static) -> mapping``: the scalar work of the
         rule that depends only on the hyperparameters and the parameter dtype (casts to
         the compute dtype, ``weight_decay != 0`` flags, ``-lr``, ...). The engine calls it
@@ -176,7 +178,6 @@ def make_optimizer(
         stepping = [i for i, g in enumerate(g_leaves) if g is not None]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
         one = _runtime_one(state.count)
-        steps = {i: olds[i]["step"] + one for i in stepping}
         rest = {i: {n: v for n, v in olds[i].items() if n != "step"} for i in stepping}
         prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
 
@@ -189,22 +190,18 @@ def make_optimizer(
             return prepared[dtype]
 
         if algorithm.fused_step is not None:
-            leaves = [(p_leaves[i], g_leaves[i], rest[i], steps[i], m_leaves[i]) for i in stepping]
-            results = dict(zip(stepping, algorithm.fused_step(leaves, hparams_of, static)))
+            leaves = [(p_leaves[i], g_leaves[i], rest[i], olds[i]["step"], m_leaves[i]) for i in stepping]
+            results = dict(zip(stepping, algorithm.fused_step(leaves, hparams_of, static, one)))
         else:
             results = {}
             for i in stepping:
-                p = p_leaves[i]
-                new = algorithm.step_leaf(p, g_leaves[i], rest[i], steps[i], hparams_of(p.dtype), static)
-                results[i] = masked(m_leaves[i], *new, p, rest[i])
+                p, step = p_leaves[i], olds[i]["step"] + one
+                new_p, new = algorithm.step_leaf(p, g_leaves[i], rest[i], step, hparams_of(p.dtype), static)
+                results[i] = masked(m_leaves[i], new_p, {"step": step, **new}, p, olds[i])
         new_p, new_b = [], [[] for _ in names]
-        for i, (p, m) in enumerate(zip(p_leaves, m_leaves)):
-            old = olds[i]
-            if i not in results:  # a None gradient: nothing moves
-                out_p, out = p, old
-            else:
-                out_p, out = results[i]
-                out = {"step": steps[i] if m is None else jnp.where(m, steps[i], old["step"]), **out}
+        for i, p in enumerate(p_leaves):
+            # a None gradient: nothing moves
+            out_p, out = results.get(i, (p, olds[i]))
             new_p.append(out_p)
             for j, n in enumerate(names):
                 new_b[j].append(out[n])

@@ -394,6 +394,7 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None]) -> list[dict[
                 "fo plain step", fo_step_fn(plain_tx), plain_tx.init, np_leaves, grads, nbytes, "sgd"
             )
         )
+        contenders += flat_accumulate_contenders(np_leaves, np_grads, nbytes)
         if torch is not None:
             t_acc = [torch.zeros(x.shape) for x in np_leaves]
             t_grads = [torch.from_numpy(g) for g in np_grads]
@@ -416,11 +417,68 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None]) -> list[dict[
             "fo micro/bare acc+g": _ratio(t, "fo micro-step", "bare acc+g"),
             "MultiSteps micro/fo micro": _ratio(t, "optax MultiSteps micro-step", "fo micro-step"),
             "fo window step/fo plain step": _ratio(t, "fo window step", "fo plain step"),
+            "fo flat micro/bare flat acc+g": _ratio(t, "fo flat micro-step", "bare flat acc+g"),
+            "fo flat window step/fo flat plain step": _ratio(t, "fo flat window step", "fo flat plain step"),
         }
+        # what closing a window adds to the optimizer step itself: the window step is a
+        # micro-step (adding the last gradient in) followed by the step on the sum
+        for prefix in ("fo", "fo flat"):
+            row["ratios"][f"{prefix} (window - micro)/plain"] = (
+                t[f"{prefix} window step"] - t[f"{prefix} micro-step"]
+            ) / t[f"{prefix} plain step"]
         rows.append(row)
         del contenders, grads, acc, window
         gc.collect()
     return rows
+
+
+def flat_accumulate_contenders(np_leaves, np_grads, nbytes: int) -> list[Contender]:
+    """grad_accumulate in the flat layout (one buffer, ``ravel_by_dtype``), the optimizer
+    step ``fused=True``: micro-step, a bare ``acc + g`` on the same buffer, the step that
+    closes a window of 2 and the plain step."""
+    flat = lambda xs: {"float32": jnp.asarray(np.concatenate(xs))}
+    grads = flat(np_grads)
+    out = []
+    micro_tx = fo.grad_accumulate(fo_sgd(fused=True), every=NEVER)
+    micro = JaxStepper(fo_step_fn(micro_tx), flat(np_leaves), grads, micro_tx.init(flat(np_leaves)), nbytes)
+    out.append(
+        Contender("fo flat micro-step", micro, bytes_per_param=BYTES_PER_PARAM["micro"], memory=micro.memory)
+    )
+    add = jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0)
+    acc = {"acc": flat([np.zeros_like(x) for x in np_leaves])}
+    add_compiled = add.lower(acc["acc"], grads).compile()
+
+    def run_add(acc=acc, add_compiled=add_compiled, grads=grads):
+        acc["acc"] = add_compiled(acc["acc"], grads)
+        jax.block_until_ready(acc["acc"])
+
+    out.append(
+        Contender(
+            "bare flat acc+g",
+            run_add,
+            bytes_per_param=BYTES_PER_PARAM["micro"],
+            memory=peak_memory_units(add_compiled, nbytes),
+        )
+    )
+    window_tx = fo.grad_accumulate(fo_sgd(fused=True), every=2)
+    window = JaxStepper(
+        fo_step_fn(window_tx), flat(np_leaves), grads, window_tx.init(flat(np_leaves)), nbytes
+    )
+    out.append(
+        Contender(
+            "fo flat window step",
+            window,
+            prepare=window,
+            bytes_per_param=BYTES_PER_PARAM["sgd"],
+            memory=window.memory,
+        )
+    )
+    plain_tx = fo_sgd(fused=True)
+    plain = JaxStepper(fo_step_fn(plain_tx), flat(np_leaves), grads, plain_tx.init(flat(np_leaves)), nbytes)
+    out.append(
+        Contender("fo flat plain step", plain, bytes_per_param=BYTES_PER_PARAM["sgd"], memory=plain.memory)
+    )
+    return out
 
 
 def _compile_seconds(fn: Callable, *args: Any) -> float:
@@ -453,8 +511,12 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
             row["seconds"][name] = _compile_seconds(make(tx), params, grads, tx.init(params))
         # the flat layout: the step sees one buffer whatever the number of leaves
         flat, _ = fo.ravel_by_dtype(params)
-        tx = fo_sgd()
-        row["seconds"]["fo sgd flat"] = _compile_seconds(fo_step_fn(tx), flat, flat, tx.init(flat))
+        for name, tx in (
+            ("fo sgd flat", fo_sgd()),
+            ("fo adam flat", fo_adam()),
+            ("fo grad_accumulate flat", fo.grad_accumulate(fo_sgd(), every=ACCUMULATE_EVERY)),
+        ):
+            row["seconds"][name] = _compile_seconds(fo_step_fn(tx), flat, flat, tx.init(flat))
         s = row["seconds"]
         row["ratios"] = {
             "fo sgd/optax sgd": _ratio(s, "fo sgd", "optax sgd"),
@@ -462,6 +524,10 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
             "fo adam/optax adam": _ratio(s, "fo adam", "optax adam"),
             "fo sgd flat/optax sgd": _ratio(s, "fo sgd flat", "optax sgd"),
             "fo sgd fused/optax sgd": _ratio(s, "fo sgd fused", "optax sgd"),
+            "fo adam flat/optax adam": _ratio(s, "fo adam flat", "optax adam"),
+            "fo grad_accumulate flat/optax MultiSteps": _ratio(
+                s, "fo grad_accumulate flat", "optax MultiSteps"
+            ),
         }
         rows.append(row)
         gc.collect()
@@ -513,8 +579,10 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "| params | leaves | fo micro-step | bare acc+g | MultiSteps micro-step | torch grad.add_ "
             "| fo / bare | MultiSteps / fo | fo window step | fo plain step | window / plain "
-            "| peak fo micro ×P | peak bare ×P | peak MultiSteps ×P |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| (window − micro) / plain | flat micro-step | bare flat acc+g | flat micro / bare "
+            "| flat fused window step | flat fused plain step | flat (window − micro) / plain "
+            "| peak fo micro ×P | peak bare ×P | peak MultiSteps ×P | peak flat fused window ×P |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["accumulate"]:
             t, q, m = r["times_ms"], r["ratios"], r["memory_x_params"]
@@ -524,8 +592,12 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_fmt(t.get('torch grad.add_'))} | {_fmt(q['fo micro/bare acc+g'])} "
                 f"| {_fmt(q['MultiSteps micro/fo micro'], '.1f')} | {_fmt(t.get('fo window step'))} "
                 f"| {_fmt(t.get('fo plain step'))} | {_fmt(q['fo window step/fo plain step'])} "
+                f"| {_fmt(q.get('fo (window - micro)/plain'))} | {_fmt(t.get('fo flat micro-step'))} "
+                f"| {_fmt(t.get('bare flat acc+g'))} | {_fmt(q.get('fo flat micro/bare flat acc+g'))} "
+                f"| {_fmt(t.get('fo flat window step'))} | {_fmt(t.get('fo flat plain step'))} "
+                f"| {_fmt(q.get('fo flat (window - micro)/plain'))} "
                 f"| {_fmt(m.get('fo micro-step'))} | {_fmt(m.get('bare acc+g'))} "
-                f"| {_fmt(m.get('optax MultiSteps micro-step'))} |"
+                f"| {_fmt(m.get('optax MultiSteps micro-step'))} | {_fmt(m.get('fo flat window step'))} |"
             )
         lines.append("")
     if result.get("compile"):
@@ -535,8 +607,9 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "| leaves | "
             + " | ".join(names)
-            + " | fo / optax sgd | fo fused / optax sgd | fo flat / optax sgd | fo / MultiSteps |",
-            "|---|" + "---|" * (len(names) + 4),
+            + " | fo / optax sgd | fo fused / optax sgd | fo flat / optax sgd | fo / MultiSteps "
+            "| fo flat / MultiSteps | fo adam flat / optax adam |",
+            "|---|" + "---|" * (len(names) + 6),
         ]
         for r in result["compile"]:
             s, q = r["seconds"], r["ratios"]
@@ -545,7 +618,9 @@ def markdown(result: dict[str, Any]) -> str:
                 + " | ".join(_fmt(s[n]) for n in names)
                 + f" | {_fmt(q['fo sgd/optax sgd'])} | {_fmt(q.get('fo sgd fused/optax sgd'))} "
                 + f"| {_fmt(q.get('fo sgd flat/optax sgd'))} "
-                + f"| {_fmt(q['fo grad_accumulate/optax MultiSteps'])} |"
+                + f"| {_fmt(q['fo grad_accumulate/optax MultiSteps'])} "
+                + f"| {_fmt(q.get('fo grad_accumulate flat/optax MultiSteps'))} "
+                + f"| {_fmt(q.get('fo adam flat/optax adam'))} |"
             )
         lines.append("")
     meta = result["meta"]
@@ -585,16 +660,17 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.set_title("optimizer step (float32)")
         elif panel == "accumulate":
             rows = result["accumulate"]
-            names = ["fo micro-step", "optax MultiSteps micro-step", "torch grad.add_"]
+            names = ["fo micro-step", "fo flat micro-step", "optax MultiSteps micro-step", "torch grad.add_"]
             labels = [f"{_size(r['params'])}×{r['leaves']}" for r in rows]
             width = 0.8 / len(names)
+            bare = lambda r, name: r["times_ms"]["bare flat acc+g" if "flat" in name else "bare acc+g"]
             for i, name in enumerate(names):
-                vals = [r["times_ms"].get(name, float("nan")) / r["times_ms"]["bare acc+g"] for r in rows]
+                vals = [r["times_ms"].get(name, float("nan")) / bare(r, name) for r in rows]
                 ax.bar(np.arange(len(rows)) + i * width, vals, width, label=name)
             ax.axhline(1.0, color="k", lw=0.8, ls="--")
             ax.set_yscale("log")
             ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, labels, rotation=30, ha="right", fontsize=8)
-            ax.set_ylabel("micro-step time / bare jitted acc + g")
+            ax.set_ylabel("micro-step time / bare jitted acc + g (same layout)")
             ax.set_title("grad accumulation micro-step")
         else:
             rows = result["compile"]

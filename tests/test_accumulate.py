@@ -244,10 +244,11 @@ def test_compiled_size_per_parameter_is_the_inner_step_plus_one_pass():
 
     per_leaf = (size(_compiled(16, 3)[0]) - size(_compiled(4, 3)[0])) / 12
     plain_per_leaf = (size(plain(16)) - size(plain(4))) / 12
-    # the accumulator pass (a fusion and its computation) and the loop's tuple plumbing
-    # (the carried buffers unpacked in the loop's body and condition): 24 lines measured
-    # with jax 0.10 (the lax.cond it replaces: about 29, with scalar copies in and out)
-    assert per_leaf <= plain_per_leaf + 24, (per_leaf, plain_per_leaf)
+    # the accumulator pass (a fusion and its computation, which also writes the mean on
+    # the closing call) and the loop's tuple plumbing (the carried buffers unpacked in
+    # the loop's body and condition): 26 lines measured with jax 0.10 (the lax.cond it
+    # replaces: about 29, with scalar copies in and out)
+    assert per_leaf <= plain_per_leaf + 26, (per_leaf, plain_per_leaf)
 
 
 def test_window_step_has_no_parameter_sized_temporaries():

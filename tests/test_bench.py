@@ -83,14 +83,25 @@ def test_accumulate_rows_have_every_contender(result):
         "torch grad.add_",
         "ceiling jax",
         "ceiling torch",
+        "fo flat micro-step",
+        "bare flat acc+g",
+        "fo flat window step",
+        "fo flat plain step",
     }
     for row in rows:
         assert set(row["times_ms"]) == names
         assert all(_finite_positive(v) for v in row["times_ms"].values())
-        assert all(_finite_positive(v) for v in row["ratios"].values())
-        # one accumulator on top of params + grads + momentum buffer, nothing more
-        assert 4.0 <= row["memory_x_params"]["fo micro-step"] < 4.1
+        window_parts = {"fo (window - micro)/plain", "fo flat (window - micro)/plain"}
+        assert window_parts < set(row["ratios"])
+        # a difference of two noisy times: finite, not necessarily positive
+        assert all(math.isfinite(row["ratios"][k]) for k in window_parts)
+        assert all(_finite_positive(v) for k, v in row["ratios"].items() if k not in window_parts)
+        # one accumulator on top of params + grads + momentum buffer, nothing more; the
+        # fused window step included (it divides by `every` inside the kernel)
+        for name in ("fo micro-step", "fo window step", "fo flat micro-step", "fo flat window step"):
+            assert 4.0 <= row["memory_x_params"][name] < 4.1, name
         assert 2.0 <= row["memory_x_params"]["bare acc+g"] < 2.1
+        assert 2.0 <= row["memory_x_params"]["bare flat acc+g"] < 2.1
 
 
 def test_compile_rows_and_outputs(result):
@@ -100,6 +111,8 @@ def test_compile_rows_and_outputs(result):
         expected = {
             "fo sgd",
             "fo sgd flat",
+            "fo adam flat",
+            "fo grad_accumulate flat",
             "optax sgd",
             "fo grad_accumulate",
             "optax MultiSteps",
