@@ -534,6 +534,138 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
     return rows
 
 
+# --------------------------------------------------------------------------- targets
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 7's targets checked on ``result``, per layout: each entry is the worst value
+    over the rows the target covers, the case it came from, the limit and whether it holds.
+
+    Layouts: "tree" is a pytree of leaves as given; "flat" is ``ravel_by_dtype``'s one
+    buffer per dtype (only timed where there is more than one leaf; a one-leaf tree is
+    already flat, so "best" takes the tree's fused step there).
+    """
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, layout: str, cases: list[tuple[str, float | None]], limit: float, at_most=True):
+        cases = [(c, v) for c, v in cases if v is not None and math.isfinite(v)]
+        if not cases:
+            return
+        case, worst = (max if at_most else min)(cases, key=lambda cv: cv[1])
+        holds = worst <= limit if at_most else worst >= limit
+        limit_text = f"{'≤' if at_most else '≥'} {limit:g}"
+        out.append(
+            {
+                "target": target,
+                "layout": layout,
+                "worst": worst,
+                "case": case,
+                "limit": limit_text,
+                "holds": holds,
+            }
+        )
+
+    label = lambda r: f"{r.get('algorithm', '')} {_size(r['params'])}×{r['leaves']}".strip()
+    big = [r for k in ("sgd", "adam") for r in result.get(k, []) if r["params"] >= 10_000_000]
+    best = lambda r: "fo fused" if r["leaves"] == 1 else "fo flat"
+    t = lambda r, name: r["times_ms"].get(name)
+    ratio = lambda r, a, b: (t(r, a) / t(r, b)) if t(r, a) and t(r, b) else None
+    for layout, pick in (
+        ("tree, fused=True", lambda r: "fo fused"),
+        ("best: flat if > 1 leaf, fused=True", best),
+    ):
+        add(
+            "1. step / torch fused=True (10M, 50M)",
+            layout,
+            [(label(r), ratio(r, pick(r), "torch fused")) for r in big],
+            1.1,
+        )
+        add(
+            "1. % of the in-place ceiling (10M, 50M)",
+            layout,
+            [(label(r), 100 * r["fraction_of_ceiling"].get(pick(r), math.nan)) for r in big],
+            85,
+            at_most=False,
+        )
+        add(
+            "1. optax / step (10M, 50M)",
+            layout,
+            [(label(r), ratio(r, "optax", pick(r))) for r in big],
+            1.4,
+            at_most=False,
+        )
+    acc = result.get("accumulate", [])
+    for layout, prefix, bare in (
+        ("tree", "fo", "bare acc+g"),
+        ("flat, fused=True", "fo flat", "bare flat acc+g"),
+    ):
+        micro = f"{prefix} micro-step"
+        add("2. micro-step / bare acc + g", layout, [(label(r), ratio(r, micro, bare)) for r in acc], 1.1)
+        add(
+            "2. MultiSteps micro-step / micro-step",
+            layout,
+            [(label(r), ratio(r, "optax MultiSteps micro-step", micro)) for r in acc],
+            5,
+            at_most=False,
+        )
+        add(
+            "2. (window step − micro-step) / plain step",
+            layout,
+            [(label(r), r["ratios"].get(f"{prefix} (window - micro)/plain")) for r in acc],
+            1.0,
+        )
+        add(
+            "2. window step / plain step",
+            layout,
+            [(label(r), ratio(r, f"{prefix} window step", f"{prefix} plain step")) for r in acc],
+            1.0,
+        )
+        add(
+            "2. peak memory of micro and window steps ×P",
+            layout,
+            [
+                (
+                    f"{label(r)} {kind}",
+                    r["memory_x_params"].get(f"{prefix} {kind} step" if kind == "window" else micro),
+                )
+                for r in acc
+                for kind in ("micro", "window")
+            ],
+            4.0 + 0.05,  # params + grads + momentum + accumulator, plus scalars
+        )
+    comp = result.get("compile", [])
+    if comp:
+        r = max(comp, key=lambda r: r["leaves"])
+        s, n = r["seconds"], f"{r['leaves']} leaves"
+        c = lambda a, b: (s[a] / s[b]) if a in s and b in s else None
+        for target, layout, a, b in (
+            ("3. compile SGD step / optax", "tree", "fo sgd", "optax sgd"),
+            ("3. compile SGD step / optax", "tree, fused=True", "fo sgd fused", "optax sgd"),
+            ("3. compile SGD step / optax", "flat", "fo sgd flat", "optax sgd"),
+            ("3. compile Adam step / optax", "tree", "fo adam", "optax adam"),
+            ("3. compile Adam step / optax", "flat", "fo adam flat", "optax adam"),
+            ("3. compile grad_accumulate / MultiSteps", "tree", "fo grad_accumulate", "optax MultiSteps"),
+            (
+                "3. compile grad_accumulate / MultiSteps",
+                "flat",
+                "fo grad_accumulate flat",
+                "optax MultiSteps",
+            ),
+        ):
+            add(target, layout, [(n, c(a, b))], 0.5)
+    small = [
+        r for k in ("sgd", "adam") for r in result.get(k, []) if r["params"] <= 100_000 and r["leaves"] >= 100
+    ]
+    for layout, name in (("tree, fused=True", "fo fused"), ("flat, fused=True", "fo flat")):
+        add(
+            "4. small model step / torch fused=True",
+            layout,
+            [(label(r), ratio(r, name, "torch fused")) for r in small],
+            1.0,
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -621,6 +753,20 @@ def markdown(result: dict[str, Any]) -> str:
                 + f"| {_fmt(q['fo grad_accumulate/optax MultiSteps'])} "
                 + f"| {_fmt(q.get('fo grad_accumulate flat/optax MultiSteps'))} "
                 + f"| {_fmt(q.get('fo adam flat/optax adam'))} |"
+            )
+        lines.append("")
+    checks = targets(result)
+    if checks:
+        lines += [
+            "### Issue 7 targets (the worst value over the rows each covers)",
+            "",
+            "| target | layout | worst | case | limit | holds |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in checks:
+            lines.append(
+                f"| {c['target']} | {c['layout']} | {_fmt(c['worst'])} | {c['case']} | {c['limit']} "
+                f"| {'yes' if c['holds'] else 'no'} |"
             )
         lines.append("")
     meta = result["meta"]
