@@ -51,36 +51,12 @@ class TorchState(NamedTuple):
       hparams: the numeric hyperparameters (``get_hparams`` / ``set_hparams``).
       count: number of optimizer steps taken, an int32 scalar.
       buffers: torch's per-parameter state by name; each value is a tree shaped like
-        the params, except ``step``: the parameters' step counters (int32) stacked in
-        one array of shape ``(number of parameters,)``, in the order of
-        ``jax.tree.leaves(params)`` (one array rather than a scalar per parameter: a
-        step then advances them in one operation, and jit dispatches one array, not one
-        per parameter). Also readable as attributes: ``state.momentum_buffer``.
+        the params. Also readable as attributes: ``state.momentum_buffer``.
     """
 
     hparams: HParams
     count: jax.Array
     buffers: dict[str, PyTree]
-
-    def steps_like(self, params: PyTree) -> PyTree:
-        """The step counters as a tree shaped like ``params`` (int32 scalars).
-
-        Examples:
-          >>> import jax.numpy as jnp, functorch_optim as fo
-          >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
-          >>> tx = fo.sgd(lr=0.1)
-          >>> _, state = fo.step(tx, params, {"a": jnp.ones(2), "b": None}, tx.init(params))
-          >>> {k: int(v) for k, v in state.steps_like(params).items()}
-          {'a': 1, 'b': 0}
-        """
-        treedef = jax.tree.structure(params)
-        steps = tuple.__getitem__(self, 2)["step"]
-        return treedef.unflatten([steps[i] for i in range(treedef.num_leaves)])
-
-    def buffers_like(self, params: PyTree) -> dict[str, PyTree]:
-        """Every buffer as a tree shaped like ``params``: ``buffers`` with the step
-        counters split per parameter (``steps_like``), as torch's per-parameter state."""
-        return {**tuple.__getitem__(self, 2), "step": self.steps_like(params)}
 
     def __getattr__(self, name: str) -> PyTree:
         if name.startswith("__"):
@@ -113,12 +89,14 @@ class Algorithm:
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
       fused_step: optional; the rule for all parameters with a gradient at once,
-        ``(leaves, hparams_of, static) -> [(new_param, new_buffers), ...]`` with one
+        ``(leaves, hparams_of, static, one) -> [(new_param, new_buffers), ...]`` with one
         ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter (``step``
-        its advanced counter, ``buffers`` without it) and ``hparams_of(dtype)`` what
-        ``step_leaf`` gets as ``hparams`` for that dtype; it applies the masks itself
-        (``masked``): kernels that update params and buffers in place (``fused=True``,
-        ``_fused.py``). When set, the engine calls it instead of ``step_leaf``.
+        the counter before this step, ``buffers`` without it), ``hparams_of(dtype)`` what
+        ``step_leaf`` gets as ``hparams`` for that dtype and ``one`` the runtime 1 the
+        counters advance by; the new buffers include the advanced ``step``, and it
+        applies the masks itself (``masked``): kernels that update params, buffers and
+        counters in place (``fused=True``, ``_fused.py``). When set, the engine calls it
+        instead of ``step_leaf``.
       prepare: optional ``(hparams, dtype, static) -> mapping``: the scalar work of the
         rule that depends only on the hyperparameters and the parameter dtype (casts to
         the compute dtype, ``weight_decay != 0`` flags, ``-lr``, ...). The engine calls it
@@ -168,10 +146,7 @@ def make_optimizer(
 
     def init(params: PyTree) -> TorchState:
         check_params(params)
-        # one counter per parameter, stacked in one array in the order of
-        # jax.tree.leaves(params): a step then advances all of them in one operation and
-        # passes one array, not one per parameter, through jit's dispatch
-        step = jnp.zeros((len(jax.tree.leaves(params)),), jnp.int32)
+        step = jax.tree.map(lambda p: jnp.zeros((), jnp.int32), params)
         leaf_buffers = jax.tree.map(lambda p: algorithm.init_leaf(p, static), params)
         names = _buffer_names(leaf_buffers, params)
         buffers = {"step": step}
@@ -197,20 +172,13 @@ def make_optimizer(
         p_leaves = treedef.flatten_up_to(params)
         g_leaves = treedef.flatten_up_to(grads)
         m_leaves = treedef.flatten_up_to(grad_mask) if grad_mask is not None else [None] * len(p_leaves)
-        names = [n for n in state.buffers if n != "step"]
+        names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
         hp = dict(state.hparams)
         stepping = [i for i, g in enumerate(g_leaves) if g is not None]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
-        # the counters of the parameters that take this step advance, all in one operation
-        active = [g is not None if m is None else m for g, m in zip(g_leaves, m_leaves)]
         one = _runtime_one(state.count)
-        if all(a is True for a in active):
-            new_steps = state.buffers["step"] + one
-        else:
-            moves = jnp.stack([jnp.asarray(a, bool) for a in active])
-            new_steps = state.buffers["step"] + jnp.where(moves, one, 0)
-        steps = {i: new_steps[i] for i in stepping}
+        rest = {i: {n: v for n, v in olds[i].items() if n != "step"} for i in stepping}
         prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
 
         def hparams_of(dtype: Any) -> Mapping[str, Any]:
@@ -222,14 +190,14 @@ def make_optimizer(
             return prepared[dtype]
 
         if algorithm.fused_step is not None:
-            leaves = [(p_leaves[i], g_leaves[i], olds[i], steps[i], m_leaves[i]) for i in stepping]
-            results = dict(zip(stepping, algorithm.fused_step(leaves, hparams_of, static)))
+            leaves = [(p_leaves[i], g_leaves[i], rest[i], olds[i]["step"], m_leaves[i]) for i in stepping]
+            results = dict(zip(stepping, algorithm.fused_step(leaves, hparams_of, static, one)))
         else:
             results = {}
             for i in stepping:
-                p = p_leaves[i]
-                new = algorithm.step_leaf(p, g_leaves[i], olds[i], steps[i], hparams_of(p.dtype), static)
-                results[i] = masked(m_leaves[i], *new, p, olds[i])
+                p, step = p_leaves[i], olds[i]["step"] + one
+                new_p, new = algorithm.step_leaf(p, g_leaves[i], rest[i], step, hparams_of(p.dtype), static)
+                results[i] = masked(m_leaves[i], new_p, {"step": step, **new}, p, olds[i])
         new_p, new_b = [], [[] for _ in names]
         for i, p in enumerate(p_leaves):
             # a None gradient: nothing moves
@@ -245,7 +213,7 @@ def make_optimizer(
                 value, sched_state[k] = driver.step_schedule(hp[k], sched_state[k], count)
                 values[k] = as_hparam(value, _hparam_dtype(hp[k]))
             hparams = hparams.replace(**values).with_schedule_state(sched_state)
-        buffers = {"step": new_steps, **{n: treedef.unflatten(new_b[j]) for j, n in enumerate(names)}}
+        buffers = {n: treedef.unflatten(new_b[j]) for j, n in enumerate(names)}
         return treedef.unflatten(new_p), TorchState(hparams, count, buffers)
 
     def update(grads, state, params=None, **extra_args):
@@ -278,13 +246,15 @@ def masked(
 def _runtime_one(count: jax.Array) -> jax.Array:
     """The int32 scalar 1, computed from ``count`` so that XLA cannot fold it to a constant.
 
-    The counters advance as ``steps + one`` (the value of ``steps + 1``). With a
-    constant 1, XLA's CPU fusion re-derives ``steps + 1`` from the old counters inside
-    every fusion that reads one; the old counters then have readers besides the kernel
-    that overwrites them in place (they are donated), and XLA copies them first. An add
-    of runtime values is not duplicated into its consumers, so the counters get one
-    kernel, which the fusions read after it ran (``tests/test_base.py`` checks that no
-    copies remain). ``(count | 1) & 1`` is 1 for every ``count``.
+    Each parameter's counter advances as ``step + one`` (the value of ``step + 1``).
+    With a constant 1, XLA's CPU fusion re-derives ``step + 1`` from the old counter
+    inside every fusion that reads it; the old counter then has readers besides the
+    kernel that overwrites it in place (the counters are donated), and XLA copies every
+    counter first: one more kernel per parameter, and more copy-insertion work, in the
+    compile time of a step over many leaves. An add of two runtime scalars is not
+    duplicated into its consumers, so each counter gets one scalar kernel, which the
+    fusions read after it ran (``tests/test_base.py`` checks that no copies remain).
+    ``(count | 1) & 1`` is 1 for every ``count``.
     """
     return (jnp.asarray(count).astype(jnp.int32) | 1) & 1
 

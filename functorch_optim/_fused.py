@@ -103,35 +103,48 @@ def load_kernels() -> str:
 
 
 Leaf = tuple[jax.Array, jax.Array, dict[str, jax.Array], jax.Array, Any]
-"""One parameter's ``(param, grad, buffers, step, active)``; ``active`` is its
-``grad_mask`` flag or ``None``."""
+"""One parameter's ``(param, grad, buffers, step, active)``: ``buffers`` without the step
+counter, ``step`` the counter before this step, ``active`` its ``grad_mask`` flag or
+``None``."""
 
 
 def _call(
     target: str, leaves: list[Leaf], names: list[str], scalars: list, flags: list, **attrs: bool
 ) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
-    """One kernel call for ``leaves`` (one dtype). ``scalars`` / ``flags``: per-parameter
-    values, each a scalar (the same for all) or a vector over the leaves."""
+    """One kernel call for ``leaves`` (one dtype); it also advances their step counters.
+    ``scalars`` / ``flags``: per-parameter values, each a scalar (the same for all) or a
+    vector over the leaves."""
     dtype = leaves[0][0].dtype
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
     grads = [leaf[1].astype(dtype) for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
+    steps = [leaf[3] for leaf in leaves]
     c = caster(dtype)
     scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
     flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
-    outputs = [*params, *buffers]
+    outputs = [*params, *buffers, *steps]
     out = jax.ffi.ffi_call(
         target,
-        [jax.ShapeDtypeStruct(x.shape, dtype) for x in outputs],
-        # params -> outputs 0..L-1, buffers -> the rest (the grads sit between)
+        [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs],
+        # params -> outputs 0..L-1, then buffers and step counters (the grads sit between)
         input_output_aliases={
             **{i: i for i in range(count)},
-            **{2 * count + j: count + j for j in range(len(buffers))},
+            **{2 * count + j: count + j for j in range(len(buffers) + count)},
         },
         vmap_method="sequential",
-    )(*params, *grads, *buffers, scalars, flags, count=np.int64(count), **attrs)
-    return [(out[i], {n: out[count + k * count + i] for k, n in enumerate(names)}) for i in range(count)]
+    )(*params, *grads, *buffers, *steps, scalars, flags, count=np.int64(count), **attrs)
+    n = len(names)
+    return [
+        (
+            out[i],
+            {
+                "step": out[(1 + n) * count + i],
+                **{m: out[count + k * count + i] for k, m in enumerate(names)},
+            },
+        )
+        for i in range(count)
+    ]
 
 
 def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorithm:
@@ -155,12 +168,15 @@ def _fused_step(
     # ``kernel``: one call per dtype on CPU for the float32/float64 parameters; elsewhere,
     # and for every other parameter, the jitted per-parameter rule and the mask
 
-    def rule(leaf, hparams_of, static):
+    def rule(leaf, hparams_of, static, one):
         param, grad, buffers, step, active = leaf
-        new = algorithm.step_leaf(param, grad, buffers, step, hparams_of(param.dtype), static)
-        return masked(active, *new, param, buffers)
+        step = step + one
+        new_param, new = algorithm.step_leaf(param, grad, buffers, step, hparams_of(param.dtype), static)
+        return masked(active, new_param, {"step": step, **new}, param, {"step": leaf[3], **buffers})
 
-    def fused_step(leaves: list[Leaf], hparams_of, static) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
+    def fused_step(
+        leaves: list[Leaf], hparams_of, static, one: jax.Array
+    ) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
         out: list[Any] = [None] * len(leaves)
         groups: dict[Any, list[int]] = {}
         for i, leaf in enumerate(leaves):
@@ -168,7 +184,7 @@ def _fused_step(
             if param.dtype in _KERNEL_DTYPES and param.size and not _explicitly_sharded(param):
                 groups.setdefault(param.dtype, []).append(i)
             else:
-                out[i] = rule(leaf, hparams_of, static)
+                out[i] = rule(leaf, hparams_of, static, one)
         batches = [
             v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)
         ]
@@ -180,8 +196,9 @@ def _fused_step(
             results = jax.lax.platform_dependent(
                 group,
                 hp,
-                cpu=lambda g, h: kernel(g, h, static),
-                default=lambda g, h: [rule(leaf, lambda _: h, static) for leaf in g],
+                one,
+                cpu=lambda g, h, one: kernel(g, h, static, one),
+                default=lambda g, h, one: [rule(leaf, lambda _: h, static, one) for leaf in g],
             )
             for i, result in zip(indices, results):
                 out[i] = result
@@ -190,10 +207,10 @@ def _fused_step(
     return fused_step
 
 
-def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any]) -> list:
+def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any], one: jax.Array) -> list:
     """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call,
     from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
-    steps = jnp.stack([leaf[3] for leaf in leaves])
+    steps = jnp.stack([leaf[3] for leaf in leaves]) + one
     active = jnp.stack([leaf[4] for leaf in leaves])
     return _call(
         "fo_sgd",
@@ -207,13 +224,13 @@ def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, A
     )
 
 
-def adam_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any]) -> list:
+def adam_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any], one: jax.Array) -> list:
     """Adam's and AdamW's rule (``_adam._step_leaf``) for every parameter of one dtype, from
     the rule's prepared scalars (``_adam._prepare``); bias corrections from each
     parameter's own step, as the rule computes them."""
     c = caster(leaves[0][0].dtype)
     lr, (beta1, beta2) = hp["lr"], hp["betas"]
-    t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]), hp)
+    t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]) + one, hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
     scalars = [

@@ -142,9 +142,11 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
 
 // ----------------------------------------------------------------------- the call
 // One call updates every parameter of one dtype. ``args`` = params[L], grads[L], then
-// each buffer kind's L arrays, then scalars [L, S] (the parameters' dtype) and flags
-// [L, F] (int32, flags[i][0] = "parameter i takes this step"); ``rets`` = params[L] and
-// the buffers, each aliasing its argument.
+// each buffer kind's L arrays, the step counters[L] (int32 scalars), then scalars [L, S]
+// (the parameters' dtype) and flags [L, F] (int32, flags[i][0] = "parameter i takes this
+// step"); ``rets`` = params[L], the buffers and the step counters, each aliasing its
+// argument. Advancing the counters here keeps a step over L parameters one XLA kernel
+// instead of L + 1 (one per counter).
 template <typename T>
 struct Leaves {
   int64_t count = 0, buffers = 0;
@@ -152,6 +154,7 @@ struct Leaves {
   std::vector<T*> param;
   std::vector<const T*> grad;
   std::vector<T*> buffer;  // buffer[k * count + i]
+  std::vector<int32_t*> step;
   const T* scalars = nullptr;
   const int32_t* flags = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
@@ -163,8 +166,8 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   auto fail = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
   };
-  if (count < 1 || static_cast<int64_t>(args.size()) != (2 + buffers) * count + 2 ||
-      static_cast<int64_t>(rets.size()) != (1 + buffers) * count) {
+  if (count < 1 || static_cast<int64_t>(args.size()) != (3 + buffers) * count + 2 ||
+      static_cast<int64_t>(rets.size()) != (2 + buffers) * count) {
     return fail("wrong number of operands");
   }
   const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
@@ -185,8 +188,13 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
       out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
     }
   }
-  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((2 + buffers) * count).value();
-  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((2 + buffers) * count + 1).value();
+  for (int64_t i = 0; i < count; ++i) {
+    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>((2 + buffers) * count + i).value();
+    if (b.element_type() != ffi::S32 || b.element_count() != 1) return fail("bad step counter");
+    out.step.push_back(static_cast<int32_t*>(rets.get<ffi::AnyBuffer>((1 + buffers) * count + i).value()->untyped_data()));
+  }
+  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((3 + buffers) * count).value();
+  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((3 + buffers) * count + 1).value();
   if (scalars.element_type() != dtype || scalars.element_count() != count * n_scalars ||
       flags.element_type() != ffi::S32 || flags.element_count() != count * n_flags) {
     return fail("bad scalars or flags");
@@ -196,7 +204,8 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   return ffi::Error::Success();
 }
 
-// Runs rule(leaf, lo, hi) over the elements of every active leaf, in items of kGrain.
+// Runs rule(leaf, lo, hi) over the elements of every active leaf, in items of kGrain, and
+// advances the active leaves' step counters.
 template <typename T, typename Rule>
 void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, int64_t n_flags, Rule rule) {
   struct Item {
@@ -205,6 +214,7 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, int64_t n_flags
   std::vector<Item> items;
   for (int64_t i = 0; i < leaves.count; ++i) {
     if (!leaves.flags[i * n_flags]) continue;  // grad_mask: outputs alias inputs, unchanged
+    ++*leaves.step[i];
     for (int64_t lo = 0; lo < leaves.size[i]; lo += kGrain) {
       items.push_back({i, lo, std::min(leaves.size[i], lo + kGrain)});
     }

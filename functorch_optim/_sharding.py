@@ -184,7 +184,7 @@ def state_shardings(
       >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
       >>> params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, P()))}
       >>> sh = fo.state_shardings(fo.sgd(lr=0.1, momentum=0.9), params, zero_axis="data")
-      >>> tuple(sh.buffers["momentum_buffer"]["w"].spec), tuple(sh.buffers["step"].spec)
+      >>> tuple(sh.buffers["momentum_buffer"]["w"].spec), tuple(sh.buffers["step"]["w"].spec)
       (('data', None), ())
 
     Note:

@@ -130,7 +130,7 @@ def test_none_gradients_skip_parameter_like_torch():
     for _ in range(2):
         params, state = fo.step(tx, params, {"frozen": None, "live": jnp.ones(2)}, state)
     np.testing.assert_array_equal(params["frozen"], [1.0, 1.0])
-    assert int(state.inner_state.steps_like(params)["frozen"]) == 0
+    assert int(state.inner_state.step["frozen"]) == 0
     # a gradient in any call of the window counts, even if the stepping call has none
     tx2 = fo.grad_accumulate(fo.sgd(lr=0.1), every=2)
     p2 = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
@@ -222,14 +222,12 @@ def test_micro_step_is_one_pass_per_parameter_and_nothing_else(n_leaves):
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     assert ma.argument_size_in_bytes == 2 * param_bytes + state_bytes
-    # the state: momentum buffer and accumulator param-sized, the rest a few scalars,
-    # the stacked flags and the inner step counters (one array each, not one scalar per
-    # parameter)
+    # the state: momentum buffer and accumulator param-sized, the rest a few scalars
+    # and the stacked flags (one array, not one scalar per parameter)
     assert state.has_grad.shape == (n_leaves,)
-    assert state.inner_state.step.shape == (n_leaves,)
     arrays = [x for x in jax.tree.leaves(state) if x.ndim > 0]
-    assert sum(x.nbytes for x in arrays) == 2 * param_bytes + n_leaves + 4 * n_leaves
-    assert len(arrays) == 2 * n_leaves + 2
+    assert sum(x.nbytes for x in arrays) == 2 * param_bytes + n_leaves
+    assert len(arrays) == 2 * n_leaves + 1
 
 
 def test_compiled_size_per_parameter_is_the_inner_step_plus_one_pass():
@@ -277,8 +275,7 @@ def test_has_grad_is_stacked_in_leaf_order():
     assert bool(state.stepped)
     np.testing.assert_array_equal(state.has_grad, [True, True, False])
     np.testing.assert_array_equal(params["b"]["d"], [0.0])
-    steps = state.inner_state.steps_like(params)
-    assert int(steps["b"]["d"]) == 0 and int(steps["a"]) == 1
+    assert int(state.inner_state.step["b"]["d"]) == 0 and int(state.inner_state.step["a"]) == 1
     # the next window starts from its own first call
     _, state = step(params, {"a": None, "b": {"c": None, "d": jnp.ones(1)}}, state)
     np.testing.assert_array_equal(state.has_grad, [False, False, True])

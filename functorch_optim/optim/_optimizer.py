@@ -680,7 +680,7 @@ class Optimizer:
             # flattened up to the params: a buffer only some parameters keep (Adafactor's
             # row_var / variance) is None for the others
             pdef = jax.tree.structure(self._params[g])
-            steps = [int(s) for s in jax.device_get(st.buffers["step"])]
+            steps = [int(s) for s in jax.device_get(pdef.flatten_up_to(st.buffers["step"]))]
             host = {n: jax.device_get(pdef.flatten_up_to(st.buffers[n])) for n in names}
             for j, s in enumerate(steps):
                 if s == 0 and not algorithm.torch_state_at_init:
@@ -795,7 +795,7 @@ class Optimizer:
                 loaded = True
             if algorithm.torch_step is None and loaded:
                 steps[j] = max(steps[j], 1)
-        buffers = {"step": jnp.asarray(steps, jnp.int32).reshape(len(steps))}
+        buffers = {"step": pdef.unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
         for n in names:
             buffers[n] = pdef.unflatten(bufs[n])
         count = jnp.asarray(max(steps, default=0), jnp.int32)
