@@ -115,6 +115,27 @@ def test_compiled_step_is_one_in_place_kernel_call(tx):
     assert compiled.memory_analysis().temp_size_in_bytes < 4096
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
+        lambda: fo.adam(lr=0.1, fused=True),
+    ],
+    ids=["sgd", "adam"],
+)
+def test_kernels_besides_the_call_do_not_grow_with_the_parameters(make):
+    # the call advances the step counters itself: the scalar work around it (bias
+    # corrections, flags) is a fixed number of kernels, not one counter kernel per parameter
+    def fusions(n):
+        params = {f"p{i:02d}": jnp.linspace(-1.0, 1.0, 5 + i, dtype=jnp.float32) for i in range(n)}
+        tx = make()
+        fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2))
+        entry = fn.lower(params, params, tx.init(params)).compile().as_text().split("ENTRY")[1]
+        return len(re.findall(r" fusion\(", entry))
+
+    assert fusions(12) <= fusions(3)
+
+
 def test_changing_hyperparameters_does_not_recompile():
     tx = fo.adamw(lr=0.1, weight_decay=1e-2, fused=True)
     params = _params(jnp.float64)
