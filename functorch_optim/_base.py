@@ -189,15 +189,12 @@ def make_optimizer(
                 prepared[dtype] = algorithm.prepare(hp, dtype, static)
             return prepared[dtype]
 
+        leaves = [(p_leaves[i], g_leaves[i], rest[i], olds[i]["step"], m_leaves[i]) for i in stepping]
         if algorithm.fused_step is not None:
-            leaves = [(p_leaves[i], g_leaves[i], rest[i], olds[i]["step"], m_leaves[i]) for i in stepping]
-            results = dict(zip(stepping, algorithm.fused_step(leaves, hparams_of, static, one)))
+            outs = algorithm.fused_step(leaves, hparams_of, static, one)
         else:
-            results = {}
-            for i in stepping:
-                p, step = p_leaves[i], olds[i]["step"] + one
-                new_p, new = algorithm.step_leaf(p, g_leaves[i], rest[i], step, hparams_of(p.dtype), static)
-                results[i] = masked(m_leaves[i], new_p, {"step": step, **new}, p, olds[i])
+            outs = [rule_step(algorithm, leaf, hparams_of, static, one) for leaf in leaves]
+        results = dict(zip(stepping, outs))
         new_p, new_b = [], [[] for _ in names]
         for i, p in enumerate(p_leaves):
             # a None gradient: nothing moves
@@ -229,6 +226,18 @@ def make_optimizer(
     setattr(update, ALGORITHM_ATTR, algorithm)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
+
+
+def rule_step(
+    algorithm: Algorithm, leaf: tuple, hparams_of: Callable[[Any], Mapping[str, Any]], static, one: jax.Array
+) -> tuple[jax.Array, dict[str, Any]]:
+    """One parameter's step by ``algorithm.step_leaf``: ``leaf`` is ``(param, grad,
+    buffers, step, grad_mask flag or None)`` as ``fused_step`` gets it; the counter
+    advances by ``one``, and the mask keeps everything (counter included) where it is off."""
+    param, grad, buffers, step, active = leaf
+    new_step = step + one
+    new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hparams_of(param.dtype), static)
+    return masked(active, new_param, {"step": new_step, **new}, param, {"step": step, **buffers})
 
 
 def masked(

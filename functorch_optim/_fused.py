@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import Algorithm, masked
+from functorch_optim._base import Algorithm, rule_step
 from functorch_optim._torch_ops import caster, step_as_float
 
 SOURCE = Path(__file__).with_name("_fused_kernels.cc")
@@ -168,12 +168,6 @@ def _fused_step(
     # ``kernel``: one call per dtype on CPU for the float32/float64 parameters; elsewhere,
     # and for every other parameter, the jitted per-parameter rule and the mask
 
-    def rule(leaf, hparams_of, static, one):
-        param, grad, buffers, step, active = leaf
-        step = step + one
-        new_param, new = algorithm.step_leaf(param, grad, buffers, step, hparams_of(param.dtype), static)
-        return masked(active, new_param, {"step": step, **new}, param, {"step": leaf[3], **buffers})
-
     def fused_step(
         leaves: list[Leaf], hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
@@ -184,7 +178,7 @@ def _fused_step(
             if param.dtype in _KERNEL_DTYPES and param.size and not _explicitly_sharded(param):
                 groups.setdefault(param.dtype, []).append(i)
             else:
-                out[i] = rule(leaf, hparams_of, static, one)
+                out[i] = rule_step(algorithm, leaf, hparams_of, static, one)
         batches = [
             v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)
         ]
@@ -198,7 +192,9 @@ def _fused_step(
                 hp,
                 one,
                 cpu=lambda g, h, one: kernel(g, h, static, one),
-                default=lambda g, h, one: [rule(leaf, lambda _: h, static, one) for leaf in g],
+                default=lambda g, h, one: [
+                    rule_step(algorithm, leaf, lambda _: h, static, one) for leaf in g
+                ],
             )
             for i, result in zip(indices, results):
                 out[i] = result
