@@ -159,6 +159,11 @@ def as_tree(leaves: Sequence[Any]) -> dict[str, Any]:
     return {f"w{i:04d}": leaf for i, leaf in enumerate(leaves)}
 
 
+def flat_tree(np_leaves: Sequence[np.ndarray]) -> dict[str, jax.Array]:
+    """The leaves as ``ravel_by_dtype`` packs float32 params: one buffer."""
+    return {"float32": jnp.asarray(np.concatenate(np_leaves))}
+
+
 def jax_tree(np_leaves: Sequence[np.ndarray]) -> dict[str, jax.Array]:
     # jnp.array copies: every contender owns its buffers (they are donated)
     return as_tree([jnp.array(x) for x in np_leaves])
@@ -214,8 +219,10 @@ def fo_adam(fused: bool = False) -> Any:
     return fo.adam(lr=ADAM_LR, fused=fused)
 
 
-def jax_contender(name: str, fn: Callable, tx_init: Callable, np_leaves, grads, nbytes: int, kind: str):
-    params = jax_tree(np_leaves)
+def jax_contender(
+    name: str, fn: Callable, tx_init: Callable, np_leaves, grads, nbytes: int, kind: str, pack=jax_tree
+):
+    params = pack(np_leaves)
     stepper = JaxStepper(fn, params, grads, tx_init(params), nbytes)
     return Contender(name, stepper, bytes_per_param=BYTES_PER_PARAM[kind], memory=stepper.memory)
 
@@ -317,17 +324,18 @@ def bench_steps(
         )
         if n_leaves > 1:
             # the fused step on the flat layout: one buffer for all leaves (ravel_by_dtype)
-            flat_params = [np.concatenate(np_leaves)]
-            flat_grads = {"float32": jnp.asarray(np.concatenate(np_grads))}
-            stepper = JaxStepper(
-                fo_step_fn(fused_tx),
-                {"float32": jnp.asarray(flat_params[0])},
-                flat_grads,
-                fused_tx.init({"float32": jnp.asarray(flat_params[0])}),
-                nbytes,
-            )
+            flat_grads = flat_tree(np_grads)
             contenders.append(
-                Contender("fo flat", stepper, bytes_per_param=BYTES_PER_PARAM[kind], memory=stepper.memory)
+                jax_contender(
+                    "fo flat",
+                    fo_step_fn(fused_tx),
+                    fused_tx.init,
+                    np_leaves,
+                    flat_grads,
+                    nbytes,
+                    kind,
+                    flat_tree,
+                )
             )
         contenders += torch_contenders(kind, np_leaves, np_grads, torch)
         timings = time_round_robin(contenders, reps, settle=settle)
@@ -364,30 +372,11 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
         nbytes = 4 * n_params
         contenders = ceiling_contenders(n_params, torch)
 
-        micro_tx = fo.grad_accumulate(fo_sgd(), every=NEVER)
-        contenders.append(
-            jax_contender(
-                "fo micro-step", fo_step_fn(micro_tx), micro_tx.init, np_leaves, grads, nbytes, "micro"
-            )
+        # the tree as given (the plain rule) and the flat layout (one buffer, fused=True)
+        contenders += accumulate_contenders("", jax_tree, np_leaves, np_grads, fo_sgd(), nbytes)
+        contenders += accumulate_contenders(
+            "flat ", flat_tree, np_leaves, np_grads, fo_sgd(fused=True), nbytes
         )
-
-        acc = {"acc": jax_tree([np.zeros_like(x) for x in np_leaves])}
-        add = jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0)
-        add_compiled = add.lower(acc["acc"], grads).compile()
-
-        def run_add(acc=acc, add_compiled=add_compiled, grads=grads):
-            acc["acc"] = add_compiled(acc["acc"], grads)
-            wait(acc["acc"])
-
-        contenders.append(
-            Contender(
-                "bare acc+g",
-                run_add,
-                bytes_per_param=BYTES_PER_PARAM["micro"],
-                memory=peak_memory_units(add_compiled, nbytes),
-            )
-        )
-
         multi = optax.MultiSteps(optax_sgd(), every_k_schedule=NEVER)
         contenders.append(
             jax_contender(
@@ -400,28 +389,6 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
                 "micro",
             )
         )
-
-        # the window's optimizer step: one untimed micro-step, then the timed stepping call
-        window_tx = fo.grad_accumulate(fo_sgd(), every=2)
-        window = JaxStepper(
-            fo_step_fn(window_tx), jax_tree(np_leaves), grads, window_tx.init(jax_tree(np_leaves)), nbytes
-        )
-        contenders.append(
-            Contender(
-                "fo window step",
-                window,
-                prepare=window,
-                bytes_per_param=BYTES_PER_PARAM["sgd"],
-                memory=window.memory,
-            )
-        )
-        plain_tx = fo_sgd()
-        contenders.append(
-            jax_contender(
-                "fo plain step", fo_step_fn(plain_tx), plain_tx.init, np_leaves, grads, nbytes, "sgd"
-            )
-        )
-        contenders += flat_accumulate_contenders(np_leaves, np_grads, nbytes)
         if torch is not None:
             t_acc = [torch.zeros(x.shape) for x in np_leaves]
             t_grads = [torch.from_numpy(g) for g in np_grads]
@@ -454,58 +421,50 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
                 t[f"{prefix} window step"] - t[f"{prefix} micro-step"]
             ) / t[f"{prefix} plain step"]
         rows.append(row)
-        del contenders, grads, acc, window
+        del contenders, grads
         gc.collect()
     return rows
 
 
-def flat_accumulate_contenders(np_leaves, np_grads, nbytes: int) -> list[Contender]:
-    """grad_accumulate in the flat layout (one buffer, ``ravel_by_dtype``), the optimizer
-    step ``fused=True``: micro-step, a bare ``acc + g`` on the same buffer, the step that
-    closes a window of 2 and the plain step."""
-    flat = lambda xs: {"float32": jnp.asarray(np.concatenate(xs))}
-    grads = flat(np_grads)
-    out = []
-    micro_tx = fo.grad_accumulate(fo_sgd(fused=True), every=NEVER)
-    micro = JaxStepper(fo_step_fn(micro_tx), flat(np_leaves), grads, micro_tx.init(flat(np_leaves)), nbytes)
-    out.append(
-        Contender("fo flat micro-step", micro, bytes_per_param=BYTES_PER_PARAM["micro"], memory=micro.memory)
-    )
-    add = jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0)
-    acc = {"acc": flat([np.zeros_like(x) for x in np_leaves])}
-    add_compiled = add.lower(acc["acc"], grads).compile()
+def accumulate_contenders(
+    layout: str, pack: Callable[[Sequence[np.ndarray]], Any], np_leaves, np_grads, sgd: Any, nbytes: int
+) -> list[Contender]:
+    """grad_accumulate(``sgd``) in one layout (``layout`` "" with ``pack=jax_tree``, "flat "
+    with ``flat_tree``): its micro-step, a bare jitted ``acc + g`` on the same arrays, the
+    call that closes a window of 2 (after an untimed micro-step) and the plain step."""
+    grads = pack(np_grads)
 
-    def run_add(acc=acc, add_compiled=add_compiled, grads=grads):
-        acc["acc"] = add_compiled(acc["acc"], grads)
+    def stepper(tx: Any) -> JaxStepper:
+        params = pack(np_leaves)  # each contender owns (and donates) its own
+        return JaxStepper(fo_step_fn(tx), params, grads, tx.init(params), nbytes)
+
+    micro = stepper(fo.grad_accumulate(sgd, every=NEVER))
+    acc = {"acc": jax.tree.map(jnp.zeros_like, pack(np_leaves))}
+    add = (
+        jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0).lower(acc["acc"], grads).compile()
+    )
+
+    def run_add() -> None:
+        acc["acc"] = add(acc["acc"], grads)
         wait(acc["acc"])
 
-    out.append(
+    window = stepper(fo.grad_accumulate(sgd, every=2))
+    plain = stepper(sgd)
+    micro_bytes, step_bytes = BYTES_PER_PARAM["micro"], BYTES_PER_PARAM["sgd"]
+    return [
+        Contender(f"fo {layout}micro-step", micro, bytes_per_param=micro_bytes, memory=micro.memory),
         Contender(
-            "bare flat acc+g",
-            run_add,
-            bytes_per_param=BYTES_PER_PARAM["micro"],
-            memory=peak_memory_units(add_compiled, nbytes),
-        )
-    )
-    window_tx = fo.grad_accumulate(fo_sgd(fused=True), every=2)
-    window = JaxStepper(
-        fo_step_fn(window_tx), flat(np_leaves), grads, window_tx.init(flat(np_leaves)), nbytes
-    )
-    out.append(
+            f"bare {layout}acc+g", run_add, bytes_per_param=micro_bytes, memory=peak_memory_units(add, nbytes)
+        ),
         Contender(
-            "fo flat window step",
+            f"fo {layout}window step",
             window,
             prepare=window,
-            bytes_per_param=BYTES_PER_PARAM["sgd"],
+            bytes_per_param=step_bytes,
             memory=window.memory,
-        )
-    )
-    plain_tx = fo_sgd(fused=True)
-    plain = JaxStepper(fo_step_fn(plain_tx), flat(np_leaves), grads, plain_tx.init(flat(np_leaves)), nbytes)
-    out.append(
-        Contender("fo flat plain step", plain, bytes_per_param=BYTES_PER_PARAM["sgd"], memory=plain.memory)
-    )
-    return out
+        ),
+        Contender(f"fo {layout}plain step", plain, bytes_per_param=step_bytes, memory=plain.memory),
+    ]
 
 
 def _compile_seconds(fn: Callable, *args: Any) -> float:
