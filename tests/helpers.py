@@ -134,3 +134,11 @@ def leaf_buffers(
     buffer name -> state key)."""
     treedef = jax.tree.structure(params)
     return {name: treedef.unflatten([s[key] for s in states]) for name, key in names.items()}
+
+
+def entry_text(compiled: Any) -> str:
+    """The entry computation of a compiled program's HLO text (its body, without the
+    other computations: fusions, loop bodies)."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY ") :]
+    return entry[: entry.index("\n}")]

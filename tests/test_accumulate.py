@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import functorch_optim as fo
-from tests.helpers import rel_err
+from tests.helpers import entry_text, rel_err
 
 K, B, STEPS = 4, 8, 3
 
@@ -187,12 +187,6 @@ def _compiled(n_leaves, every):
     return compiled, params, state
 
 
-def _entry(compiled):
-    text = compiled.as_text()
-    entry = text[text.index("\nENTRY ") :]
-    return entry[: entry.index("\n}")]
-
-
 def _count(text, op):
     return len(re.findall(rf" {op}\(%", text))
 
@@ -200,7 +194,7 @@ def _count(text, op):
 @pytest.mark.parametrize("n_leaves", [4, 16])
 def test_micro_step_is_one_pass_per_parameter_and_nothing_else(n_leaves):
     compiled, params, state = _compiled(n_leaves, 3)
-    entry = _entry(compiled)
+    entry = entry_text(compiled)
     # outside the inner optimizer's loop: one fusion per accumulator, and a fixed number
     # of scalar fusions (counters, flags) that does not grow with the parameters
     param_sized = [
@@ -209,7 +203,7 @@ def test_micro_step_is_one_pass_per_parameter_and_nothing_else(n_leaves):
         if re.search(r"= f32\[20\d\d\]\{0\} fusion\(", line) and "parameter(" not in line
     ]
     assert len(param_sized) == n_leaves
-    assert _count(entry, "fusion") - n_leaves == _count(_entry(_compiled(4, 3)[0]), "fusion") - 4
+    assert _count(entry, "fusion") - n_leaves == _count(entry_text(_compiled(4, 3)[0]), "fusion") - 4
     # at most one scalar copy (the mini_step counter, read before it is overwritten)
     assert _count(entry, "copy") <= 1, entry
     assert _count(entry, "conditional") == 0 and _count(entry, "while") == 1
@@ -257,7 +251,7 @@ def test_window_step_has_no_parameter_sized_temporaries():
     smallest = min(x.nbytes for x in jax.tree.leaves(params))
     assert ma.temp_size_in_bytes < smallest / 2
     # every=1 steps on each call without a branch, and leaves the accumulator alone
-    entry = _entry(compiled)
+    entry = entry_text(compiled)
     assert _count(entry, "while") == 0 and _count(entry, "conditional") == 0
 
 

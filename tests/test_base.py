@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import functorch_optim as fo
-from tests.helpers import rel_err
+from tests.helpers import entry_text, rel_err
 
 
 def _setup(seed=0):
@@ -111,11 +111,8 @@ def test_donated_step_runs_and_state_keeps_shapes():
 
 def _entry_ops(compiled) -> dict[str, int]:
     """Instructions of the compiled entry computation, counted by opcode."""
-    text = compiled.as_text()
-    entry = text[text.index("\nENTRY") :]
-    entry = entry[: entry.index("\n}")]
     counts: dict[str, int] = {}
-    for line in entry.splitlines()[1:]:
+    for line in entry_text(compiled).splitlines()[1:]:
         rhs = line.split(" = ", 1)[1] if " = " in line else ""
         # "f32[50]{0} fusion(...)": the opcode follows the shape
         opcode = rhs.split("(", 1)[0].split(" ")[-1]

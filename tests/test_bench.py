@@ -97,7 +97,7 @@ def test_accumulate_rows_have_every_contender(result):
         assert all(math.isfinite(row["ratios"][k]) for k in window_parts)
         assert all(_finite_positive(v) for k, v in row["ratios"].items() if k not in window_parts)
         # one accumulator on top of params + grads + momentum buffer, nothing more; the
-        # fused window step included (it divides by `every` inside the kernel)
+        # fused window step included (the mean is written over the accumulated sum)
         for name in ("fo micro-step", "fo window step", "fo flat micro-step", "fo flat window step"):
             assert 4.0 <= row["memory_x_params"][name] < 4.1, name
         assert 2.0 <= row["memory_x_params"]["bare acc+g"] < 2.1

@@ -13,6 +13,7 @@ import pytest
 import functorch_optim as fo
 from functorch_optim import _fused
 from functorch_optim._jit import unaliased_paths
+from tests.helpers import entry_text
 
 SHAPES = {"w": (37, 129), "b": (4099,), "s": (), "none": (5,), "empty": (0,)}
 
@@ -130,8 +131,7 @@ def test_kernels_besides_the_call_do_not_grow_with_the_parameters(make):
         params = {f"p{i:02d}": jnp.linspace(-1.0, 1.0, 5 + i, dtype=jnp.float32) for i in range(n)}
         tx = make()
         fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2))
-        entry = fn.lower(params, params, tx.init(params)).compile().as_text().split("ENTRY")[1]
-        return len(re.findall(r" fusion\(", entry))
+        return len(re.findall(r" fusion\(", entry_text(fn.lower(params, params, tx.init(params)).compile())))
 
     assert fusions(12) <= fusions(3)
 
