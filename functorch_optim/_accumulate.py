@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._base import STEP_ATTR
+from functorch_optim._base import STEP_ATTR, WINDOW_ATTR
 from functorch_optim._base import step as _step
+from functorch_optim._fused import Window, window_ready
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
@@ -136,6 +137,9 @@ def grad_accumulate(
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     every = int(every)
     inner_step = getattr(tx.update, STEP_ATTR, None)
+    # fused=True inside: a call is one kernel call per dtype (add the gradient in, or on
+    # the closing call step on the mean in the same pass); no conditional, no loop
+    window_step = getattr(tx.update, WINDOW_ATTR, None) if every > 1 else None
     extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def init(params: PyTree) -> GradAccumulateState:
@@ -187,37 +191,66 @@ def grad_accumulate(
             kwargs["grad_mask"] = treedef.unflatten([seen[i] for i in range(treedef.num_leaves)])
         return kwargs
 
-    def run(grads, state, params, carry, step):
-        """Add the gradient in; on the window's closing call, ``step`` on the mean."""
+    def run(grads, state, params, carry, step, fused=None):
+        """Add the gradient in; on the window's closing call, ``step`` on the mean.
+        ``fused(carry, acc, fresh, stepping, seen, all_seen) -> (carry, acc)``: the same
+        as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
         seen, all_seen = flags(grads, state, fresh)
-        if every == 1:
-            # every call steps: no branch, and no pass over the accumulator
-            acc = state.acc_grads
-            carry = step(carry, as_param_dtype(given(grads, acc), params), seen, all_seen)
-        else:
-            acc = add_in(grads, state.acc_grads, fresh)
+
+        def jitted(carry, acc):
+            acc = add_in(grads, acc, fresh)
             if reduction == "mean":
                 # the closing call overwrites the sum with the mean, in the pass that adds
-                # the last gradient in: a kernel that cannot fuse the division (fused=True)
-                # reads it from there, and no parameter-sized temporary exists
+                # the last gradient in: a kernel that cannot fuse the division reads it
+                # from there, and no parameter-sized temporary exists
                 acc = jax.tree.map(lambda a: jnp.where(stepping, a / every, a), acc)
 
             def fn(c):
                 return step(c, as_param_dtype(acc, params), seen, all_seen)
 
             if inner_step is not None:
-                carry = _run_if(stepping, fn, carry)
-            else:
-                # an optax transformation keeps a few scalars, not one per parameter: a
-                # conditional costs no per-parameter copies there, and XLA simplifies its
-                # arithmetic inside a conditional as before (a loop body can round
-                # differently in the last bit)
-                carry = jax.lax.cond(stepping, fn, lambda c: c, carry)
+                return _run_if(stepping, fn, carry), acc
+            # an optax transformation keeps a few scalars, not one per parameter: a
+            # conditional costs no per-parameter copies there, and XLA simplifies its
+            # arithmetic inside a conditional as before (a loop body can round
+            # differently in the last bit)
+            return jax.lax.cond(stepping, fn, lambda c: c, carry), acc
+
+        if every == 1:
+            # every call steps: no branch, and no pass over the accumulator
+            acc = state.acc_grads
+            carry = step(carry, as_param_dtype(given(grads, acc), params), seen, all_seen)
+        elif fused is not None:
+            carry, acc = jax.lax.platform_dependent(
+                carry,
+                state.acc_grads,
+                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen),
+                default=jitted,
+            )
+        else:
+            carry, acc = jitted(carry, state.acc_grads)
         mini = jnp.where(stepping, 0, state.mini_step + 1).astype(jnp.int32)
         count = state.gradient_step + stepping.astype(jnp.int32)
         return carry, lambda inner: GradAccumulateState(mini, count, acc, seen, inner)
+
+    def fused_window(grads, params):
+        """The kernel path of ``step_fn``, where every parameter can take it."""
+        if window_step is None or not window_ready(jax.tree.leaves(params)):
+            return None
+        treedef = jax.tree.structure(params)
+
+        def fused(carry, acc, fresh, stepping, seen, all_seen):
+            params, inner = carry
+            active = treedef.unflatten(
+                [stepping if all_seen else stepping & seen[i] for i in range(treedef.num_leaves)]
+            )
+            window = Window(None, fresh, stepping, every if reduction == "mean" else None)
+            params, acc, inner = window_step(params, grads, acc, inner, window, active)
+            return (params, inner), acc
+
+        return fused
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
@@ -251,7 +284,8 @@ def grad_accumulate(
                 return inner_step(params, mean, inner, **kwargs)
             return _step(tx, params, mean, inner, **kwargs)
 
-        (params, inner), new_state = run(grads, state, params, (params, state.inner_state), step)
+        carry = (params, state.inner_state)
+        (params, inner), new_state = run(grads, state, params, carry, step, fused_window(grads, params))
         return params, new_state(inner)
 
     setattr(update, STEP_ATTR, step_fn)

@@ -43,6 +43,10 @@ STEP_ATTR = "fo_step"
 #: ``Algorithm`` (the imperative facade reads torch's state layout from it).
 ALGORITHM_ATTR = "fo_algorithm"
 
+#: Attribute name under which a ``fused=True`` transformation's ``update`` function
+#: carries ``grad_accumulate``'s one-kernel call (``window_step`` in ``make_optimizer``).
+WINDOW_ATTR = "fo_window_step"
+
 
 class TorchState(NamedTuple):
     """State of a torch-parity optimizer.
@@ -97,6 +101,13 @@ class Algorithm:
         applies the masks itself (``masked``): kernels that update params, buffers and
         counters in place (``fused=True``, ``_fused.py``). When set, the engine calls it
         instead of ``step_leaf``.
+      fused_window: optional, with ``fused_step``: ``(leaves, window, hparams_of, static,
+        one) -> [(new_param, new_buffers, new_accumulator), ...]``, ``grad_accumulate``'s
+        call in the same kernels (``_fused.Window``): it adds the gradient into the
+        accumulator, or on the call that closes the window steps on the window's mean,
+        in one pass. ``leaves`` holds every parameter (a ``None`` gradient: none in this
+        call), each with its ``active`` flag (has a gradient in the window and the call
+        steps).
       prepare: optional ``(hparams, dtype, static) -> mapping``: the scalar work of the
         rule that depends only on the hyperparameters and the parameter dtype (casts to
         the compute dtype, ``weight_decay != 0`` flags, ``-lr``, ...). The engine calls it
@@ -114,6 +125,7 @@ class Algorithm:
     torch_state_at_init: bool = False
     prepare: Callable[[Mapping[str, Any], Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
     fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
+    fused_window: Callable[..., list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]] | None = None
 
 
 def make_optimizer(
@@ -165,43 +177,37 @@ def make_optimizer(
             buffers,
         )
 
-    def step_fn(params, grads, state, *, grad_mask=None, **extra_args):
-        del extra_args
-        check_like_params(params, grads)
+    def unpack(params, grads, state, grad_mask):
+        # per leaf: (param, grad, buffers without step, step, grad_mask flag or None)
         treedef = jax.tree.structure(params)
         p_leaves = treedef.flatten_up_to(params)
         g_leaves = treedef.flatten_up_to(grads)
         m_leaves = treedef.flatten_up_to(grad_mask) if grad_mask is not None else [None] * len(p_leaves)
         names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
-        hp = dict(state.hparams)
-        stepping = [i for i, g in enumerate(g_leaves) if g is not None]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
-        one = _runtime_one(state.count)
-        rest = {i: {n: v for n, v in olds[i].items() if n != "step"} for i in stepping}
-        prepared: dict[Any, Mapping[str, Any]] = {}  # per parameter dtype (Algorithm.prepare)
+        leaves = [
+            (p, g, {n: v for n, v in old.items() if n != "step"}, old["step"], m)
+            for p, g, old, m in zip(p_leaves, g_leaves, olds, m_leaves)
+        ]
+        return treedef, leaves, olds
+
+    def prepared(hp):
+        # Algorithm.prepare's scalars, once per parameter dtype
+        cache: dict[Any, Mapping[str, Any]] = {}
 
         def hparams_of(dtype: Any) -> Mapping[str, Any]:
             dtype = jnp.dtype(dtype)
             if algorithm.prepare is None:
                 return hp
-            if dtype not in prepared:
-                prepared[dtype] = algorithm.prepare(hp, dtype, static)
-            return prepared[dtype]
+            if dtype not in cache:
+                cache[dtype] = algorithm.prepare(hp, dtype, static)
+            return cache[dtype]
 
-        leaves = [(p_leaves[i], g_leaves[i], rest[i], olds[i]["step"], m_leaves[i]) for i in stepping]
-        if algorithm.fused_step is not None:
-            outs = algorithm.fused_step(leaves, hparams_of, static, one)
-        else:
-            outs = [rule_step(algorithm, leaf, hparams_of, static, one) for leaf in leaves]
-        results = dict(zip(stepping, outs))
-        new_p, new_b = [], [[] for _ in names]
-        for i, p in enumerate(p_leaves):
-            # a None gradient: nothing moves
-            out_p, out = results.get(i, (p, olds[i]))
-            new_p.append(out_p)
-            for j, n in enumerate(names):
-                new_b[j].append(out[n])
+        return hparams_of
+
+    def advance(state, hp, stepping=None):
+        # the step count and the schedules move by one step (only where ``stepping``)
         count = state.count + 1
         hparams = state.hparams
         if schedules:
@@ -209,9 +215,54 @@ def make_optimizer(
             for k, driver in schedules.items():
                 value, sched_state[k] = driver.step_schedule(hp[k], sched_state[k], count)
                 values[k] = as_hparam(value, _hparam_dtype(hp[k]))
+            if stepping is not None:
+                keep = lambda new, old: jnp.where(stepping, new, old)
+                values = {k: jax.tree.map(keep, v, hp[k]) for k, v in values.items()}
+                sched_state = jax.tree.map(keep, sched_state, dict(hparams.schedule_state))
             hparams = hparams.replace(**values).with_schedule_state(sched_state)
-        buffers = {n: treedef.unflatten(new_b[j]) for j, n in enumerate(names)}
+        if stepping is not None:
+            count = jnp.where(stepping, count, state.count)
+        return hparams, count
+
+    def rebuild(treedef, names, new_p, new_b, hparams, count):
+        buffers = {n: treedef.unflatten([b[n] for b in new_b]) for n in names}
         return treedef.unflatten(new_p), TorchState(hparams, count, buffers)
+
+    def step_fn(params, grads, state, *, grad_mask=None, **extra_args):
+        del extra_args
+        check_like_params(params, grads)
+        treedef, leaves, olds = unpack(params, grads, state, grad_mask)
+        hp = dict(state.hparams)
+        hparams_of = prepared(hp)
+        one = _runtime_one(state.count)
+        stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
+        if algorithm.fused_step is not None:
+            outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
+        else:
+            outs = [rule_step(algorithm, leaves[i], hparams_of, static, one) for i in stepping]
+        results = dict(zip(stepping, outs))
+        # a None gradient: nothing moves
+        new = [results.get(i, (leaf[0], olds[i])) for i, leaf in enumerate(leaves)]
+        hparams, count = advance(state, hp)
+        return rebuild(treedef, list(state.buffers), [p for p, _ in new], [b for _, b in new], hparams, count)
+
+    def window_step(params, grads, acc, state, window, active):
+        """``grad_accumulate``'s call through ``algorithm.fused_window``: ``window`` a
+        ``_fused.Window`` (its ``accs`` a tree like ``params``), ``active`` a tree of
+        flags like ``params``, each "has a gradient in the window and the call steps".
+        Returns ``(params, acc, state)``; on a call that does not step, params, state,
+        counters and schedules keep their bits."""
+        treedef, leaves, _ = unpack(params, grads, state, active)
+        hp = dict(state.hparams)
+        accs = treedef.flatten_up_to(acc)
+        outs = algorithm.fused_window(
+            leaves, window._replace(accs=accs), prepared(hp), static, _runtime_one(state.count)
+        )
+        hparams, count = advance(state, hp, window.stepping)
+        new_params, new_state = rebuild(
+            treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count
+        )
+        return new_params, treedef.unflatten([a for _, _, a in outs]), new_state
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
@@ -224,6 +275,8 @@ def make_optimizer(
 
     setattr(update, STEP_ATTR, step_fn)
     setattr(update, ALGORITHM_ATTR, algorithm)
+    if algorithm.fused_window is not None:
+        setattr(update, WINDOW_ATTR, window_step)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)
 

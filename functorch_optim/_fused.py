@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,18 +108,54 @@ counter, ``step`` the counter before this step, ``active`` its ``grad_mask`` fla
 ``None``."""
 
 
+class Window(NamedTuple):
+    """``grad_accumulate``'s share of a kernel call (``fused_window``): the call adds the
+    gradient into the accumulator, or, on the call that closes the window, steps on the
+    window's mean (sum) and writes it to the accumulator, in the same pass.
+
+    Attributes:
+      accs: the accumulator of each parameter of the call (the parameter's dtype).
+      fresh: whether this call opens a window (it overwrites the sum), a bool scalar.
+      stepping: whether it closes one (the optimizer steps), a bool scalar; never
+        together with ``fresh`` (a window has at least two calls).
+      every: the window's length, with ``reduction="mean"``; ``None`` for the sum.
+    """
+
+    accs: list[jax.Array]
+    fresh: jax.Array
+    stepping: jax.Array
+    every: int | None
+
+
 def _call(
-    target: str, leaves: list[Leaf], names: list[str], scalars: list, flags: list, **attrs: bool
-) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
+    target: str,
+    leaves: list[Leaf],
+    names: list[str],
+    scalars: list,
+    flags: list,
+    window: Window | None = None,
+    **attrs: bool,
+) -> list[tuple[jax.Array, ...]]:
     """One kernel call for ``leaves`` (one dtype); it also advances their step counters.
     ``scalars`` / ``flags``: per-parameter values, each a scalar (the same for all) or a
-    vector over the leaves."""
+    vector over the leaves. Per leaf ``(param, buffers)``, with a ``window`` ``(param,
+    buffers, accumulator)``."""
     dtype = leaves[0][0].dtype
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
-    grads = [leaf[1].astype(dtype) for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
     steps = [leaf[3] for leaf in leaves]
+    if window is None:
+        grads = [leaf[1].astype(dtype) for leaf in leaves]
+    else:
+        # a parameter without a gradient in this call gets a one-element stand-in
+        has_grad = [leaf[1] is not None for leaf in leaves]
+        grads = [leaf[1].astype(dtype) if h else jnp.zeros((1,), dtype) for leaf, h in zip(leaves, has_grad)]
+        buffers += window.accs
+        # grad_accumulate's ``sum / every``, as XLA computes it: times the reciprocal
+        inv_every = np.reciprocal(np.asarray(window.every or 1, dtype))
+        scalars = [*scalars, inv_every]
+        flags = [*flags, np.asarray(has_grad), window.fresh, window.stepping]
     c = caster(dtype)
     scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
     flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
@@ -133,8 +169,8 @@ def _call(
             **{2 * count + j: count + j for j in range(len(buffers) + count)},
         },
         vmap_method="sequential",
-    )(*params, *grads, *buffers, *steps, scalars, flags, count=np.int64(count), **attrs)
-    n = len(names)
+    )(*params, *grads, *buffers, *steps, scalars, flags, count=np.int64(count), window=window is not None, **attrs)
+    n = len(names) + (window is not None)
     return [
         (
             out[i],
@@ -142,6 +178,7 @@ def _call(
                 "step": out[(1 + n) * count + i],
                 **{m: out[count + k * count + i] for k, m in enumerate(names)},
             },
+            *([] if window is None else [out[count + len(names) * count + i]]),
         )
         for i in range(count)
     ]
@@ -152,7 +189,9 @@ def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorit
     so that a missing compiler is reported at construction, before any state exists.
     (torch's "floating point params only" check for ``fused`` is every optimizer's here.)"""
     load_kernels()
-    return dataclasses.replace(algorithm, fused_step=_fused_step(kernel, algorithm))
+    return dataclasses.replace(
+        algorithm, fused_step=_fused_step(kernel, algorithm), fused_window=_fused_window(kernel)
+    )
 
 
 def _explicitly_sharded(x: jax.Array) -> bool:
@@ -160,6 +199,22 @@ def _explicitly_sharded(x: jax.Array) -> bool:
     # has no partitioning rule, so the jitted rule (which XLA partitions) runs instead
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     return spec is not None and any(axis is not None for axis in spec)
+
+
+def kernel_leaf(param: jax.Array) -> bool:
+    """Whether the kernel updates ``param`` (on the CPU): a non-empty float32/float64
+    array that no explicit-sharding mesh splits."""
+    return param.dtype in _KERNEL_DTYPES and param.size > 0 and not _explicitly_sharded(param)
+
+
+def _batches(leaves: list[Leaf]) -> list[list[int]]:
+    """The kernel leaves' indices, one list per call: by dtype, at most
+    ``_LEAVES_PER_CALL`` each."""
+    groups: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if kernel_leaf(leaf[0]):
+            groups.setdefault(leaf[0].dtype, []).append(i)
+    return [v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)]
 
 
 def _fused_step(
@@ -172,17 +227,10 @@ def _fused_step(
         leaves: list[Leaf], hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
         out: list[Any] = [None] * len(leaves)
-        groups: dict[Any, list[int]] = {}
         for i, leaf in enumerate(leaves):
-            param = leaf[0]
-            if param.dtype in _KERNEL_DTYPES and param.size and not _explicitly_sharded(param):
-                groups.setdefault(param.dtype, []).append(i)
-            else:
+            if not kernel_leaf(leaf[0]):
                 out[i] = rule_step(algorithm, leaf, hparams_of, static, one)
-        batches = [
-            v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)
-        ]
-        for indices in batches:
+        for indices in _batches(leaves):
             group = [
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
@@ -203,7 +251,39 @@ def _fused_step(
     return fused_step
 
 
-def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any], one: jax.Array) -> list:
+def _fused_window(kernel: Callable[..., list]) -> Callable[..., list]:
+    def fused_window(
+        leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
+    ) -> list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]:
+        # every non-empty parameter is a kernel leaf (``window_ready``); an empty one
+        # has nothing to update but its step counter
+        out: list[Any] = [None] * len(leaves)
+        for i, (param, _, buffers, step, active) in enumerate(leaves):
+            if not param.size:
+                out[i] = (param, {"step": jnp.where(active, step + one, step), **buffers}, window.accs[i])
+        for indices in _batches(leaves):
+            group = [leaves[i] for i in indices]
+            part = window._replace(accs=[window.accs[i] for i in indices])
+            for i, result in zip(indices, kernel(group, hparams_of(group[0][0].dtype), static, one, part)):
+                out[i] = result
+        return out
+
+    return fused_window
+
+
+def window_ready(params: list[jax.Array]) -> bool:
+    """Whether ``fused_window`` can take a call over ``params``: every non-empty one is
+    a kernel leaf (otherwise grad_accumulate runs the jitted path)."""
+    return all(kernel_leaf(p) or not p.size for p in params)
+
+
+def sgd_kernel(
+    leaves: list[Leaf],
+    hp: Mapping[str, Any],
+    static: Mapping[str, Any],
+    one: jax.Array,
+    window: Window | None = None,
+) -> list:
     """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call,
     from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
     steps = jnp.stack([leaf[3] for leaf in leaves]) + one
@@ -214,13 +294,20 @@ def sgd_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, A
         ["momentum_buffer"] if static["has_momentum"] else [],
         [hp["neg_lr"], hp["momentum"], hp["one_minus_dampening"], hp["weight_decay"]],
         [active, hp["use_weight_decay"], steps == 1, hp["use_momentum"]],
+        window,
         has_momentum=static["has_momentum"],
         nesterov=static["nesterov"],
         maximize=static["maximize"],
     )
 
 
-def adam_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, Any], one: jax.Array) -> list:
+def adam_kernel(
+    leaves: list[Leaf],
+    hp: Mapping[str, Any],
+    static: Mapping[str, Any],
+    one: jax.Array,
+    window: Window | None = None,
+) -> list:
     """Adam's and AdamW's rule (``_adam._step_leaf``) for every parameter of one dtype, from
     the rule's prepared scalars (``_adam._prepare``); bias corrections from each
     parameter's own step, as the rule computes them."""
@@ -247,6 +334,7 @@ def adam_kernel(leaves: list[Leaf], hp: Mapping[str, Any], static: Mapping[str, 
         ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if static["amsgrad"] else []),
         scalars,
         flags,
+        window,
         maximize=static["maximize"],
         decoupled=static["decoupled_weight_decay"],
         amsgrad=static["amsgrad"],

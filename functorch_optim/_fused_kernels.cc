@@ -13,6 +13,12 @@
 // computed by the jitted code and passed in as small arrays, so changing them never
 // recompiles anything.
 //
+// With the ``window`` attribute a call also carries grad_accumulate's accumulator (one
+// more buffer kind, after the optimizer's): a call that does not close the window only
+// adds the gradient in, one pass, and leaves params, buffers and counters as they are;
+// the call that closes it reads the accumulator and the last gradient, writes the
+// window's mean (or sum) back and steps on it, in the same pass.
+//
 // Built on first use by functorch_optim/_fused.py against ``jax.ffi.include_dir()``.
 
 #include <algorithm>
@@ -87,15 +93,47 @@ inline T Maximum(T a, T b) {
   return (a > b || a != a) ? a : b;
 }
 
+// ------------------------------------------------------------------- accumulation window
+// flags (appended to the optimizer's): [this call has a gradient, fresh, stepping]
+// scalars (appended): [1 / every] (XLA turns grad_accumulate's ``sum / every`` into a
+// multiply by the reciprocal; the sum reduction multiplies by nothing)
+
+// The gradient a step reads: the call's own (kWindow false), or the window's sum with the
+// call's gradient added in, times 1/every for the mean, written back to the accumulator
+// as grad_accumulate's jitted path stores it.
+template <typename T, bool kWindow, bool kHasG, bool kMean>
+inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, T inv_every) {
+  if (!kWindow) return g[i];
+  T a = acc[i];
+  if (kHasG) a = a + g[i];
+  if (kMean) a = a * inv_every;
+  acc[i] = a;
+  return a;
+}
+
+// A call that does not step: the window's first call overwrites the sum
+// (``where(fresh, g, acc + g)``; without a gradient ``where(fresh, 0, acc)``).
+template <typename T>
+void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh) {
+  if (g == nullptr) {
+    if (fresh) std::fill(acc + lo, acc + hi, T(0));
+  } else if (fresh) {
+    std::copy(g + lo, g + hi, acc + lo);
+  } else {
+    for (int64_t i = lo; i < hi; ++i) acc[i] = acc[i] + g[i];
+  }
+}
+
 // ---------------------------------------------------------------------------------- SGD
 // scalars: [-lr, momentum, 1 - dampening, weight_decay]
 // flags:   [active, weight_decay != 0, step == 1, momentum != 0]
-template <typename T, bool kWd, bool kUse>
+template <typename T, bool kWd, bool kUse, bool kWindow, bool kHasG, bool kMean>
 void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
-             T neg_lr, T mom, T damp1, T wd, T sign, bool first, bool nesterov) {
+             T* __restrict acc, T neg_lr, T mom, T damp1, T wd, T sign, T inv_every, bool first,
+             bool nesterov) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
-    T gi = g[i] * sign;
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, inv_every) * sign;
     if (kWd) gi = std::fma(wd, pi, gi);
     if (kUse) {
       const T nb = first ? gi : std::fma(buf[i], mom, damp1 * gi);
@@ -115,12 +153,13 @@ struct AdamScalars {
   bool small;
 };
 
-template <typename T, bool kDecay, bool kCoupled, bool kAms>
+template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean>
 void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
-              T* __restrict v, T* __restrict vmax, const AdamScalars<T> c) {
+              T* __restrict v, T* __restrict vmax, T* __restrict acc, const AdamScalars<T> c,
+              T inv_every) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
-    T gi = g[i] * c.sign;
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, inv_every) * c.sign;
     if (kCoupled) gi = std::fma(c.wd, pi, gi);
     const T mi = m[i];
     const T diff = gi - mi;
@@ -142,128 +181,185 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
 
 // ----------------------------------------------------------------------- the call
 // One call updates every parameter of one dtype. ``args`` = params[L], grads[L], then
-// each buffer kind's L arrays, the step counters[L] (int32 scalars), then scalars [L, S]
-// (the parameters' dtype) and flags [L, F] (int32, flags[i][0] = "parameter i takes this
-// step"); ``rets`` = params[L], the buffers and the step counters, each aliasing its
-// argument. Advancing the counters here keeps a step over L parameters one XLA kernel
-// instead of L + 1 (one per counter).
+// each buffer kind's L arrays (with ``window``, the accumulator last), the step
+// counters[L] (int32 scalars), then scalars [L, S] (the parameters' dtype) and flags
+// [L, F] (int32, flags[i][0] = "parameter i takes this step"); ``rets`` = params[L], the
+// buffers and the step counters, each aliasing its argument. Advancing the counters here
+// keeps a step over L parameters one XLA kernel instead of L + 1 (one per counter). A
+// window call's parameter without a gradient in this call has a one-element stand-in
+// for it (its gradient flag is 0).
 template <typename T>
 struct Leaves {
-  int64_t count = 0, buffers = 0;
+  int64_t count = 0, buffers = 0, n_flags = 0;
+  bool window = false;
   std::vector<int64_t> size;
   std::vector<T*> param;
-  std::vector<const T*> grad;
-  std::vector<T*> buffer;  // buffer[k * count + i]
+  std::vector<const T*> grad;  // nullptr: no gradient in this call (window only)
+  std::vector<T*> buffer;      // buffer[k * count + i]; the accumulator is kind ``buffers``
   std::vector<int32_t*> step;
   const T* scalars = nullptr;
   const int32_t* flags = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
+  T* acc(int64_t i) const { return window ? buffer[buffers * count + i] : nullptr; }
+  // the window's flags of parameter i: [has a gradient, fresh, stepping]
+  const int32_t* window_flags(int64_t i) const { return flags + (i + 1) * n_flags - 3; }
 };
 
 template <typename T>
 ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                  int64_t buffers, int64_t n_scalars, int64_t n_flags, Leaves<T>& out) {
+                  int64_t buffers, int64_t n_scalars, int64_t n_flags, bool window, Leaves<T>& out) {
   auto fail = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
   };
-  if (count < 1 || static_cast<int64_t>(args.size()) != (3 + buffers) * count + 2 ||
-      static_cast<int64_t>(rets.size()) != (2 + buffers) * count) {
+  const int64_t kinds = buffers + (window ? 1 : 0);
+  if (window) n_scalars += 1, n_flags += 3;
+  if (count < 1 || static_cast<int64_t>(args.size()) != (3 + kinds) * count + 2 ||
+      static_cast<int64_t>(rets.size()) != (2 + kinds) * count) {
     return fail("wrong number of operands");
   }
   const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
-  out.count = count;
-  out.buffers = buffers;
-  for (int64_t j = 0; j < (2 + buffers) * count; ++j) {
-    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(j).value();
-    const int64_t i = j % count;
-    if (b.element_type() != dtype) return fail("operand of another dtype");
-    if (j < count) {
-      out.size.push_back(b.element_count());
-      out.param.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data()));
-    } else if (b.element_count() != out.size[i]) {
-      return fail("operand unlike its parameter");
-    } else if (j < 2 * count) {
-      out.grad.push_back(static_cast<const T*>(b.untyped_data()));
-    } else {
-      out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
-    }
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>((2 + buffers) * count + i).value();
-    if (b.element_type() != ffi::S32 || b.element_count() != 1) return fail("bad step counter");
-    out.step.push_back(static_cast<int32_t*>(rets.get<ffi::AnyBuffer>((1 + buffers) * count + i).value()->untyped_data()));
-  }
-  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((3 + buffers) * count).value();
-  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((3 + buffers) * count + 1).value();
+  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((3 + kinds) * count).value();
+  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((3 + kinds) * count + 1).value();
   if (scalars.element_type() != dtype || scalars.element_count() != count * n_scalars ||
       flags.element_type() != ffi::S32 || flags.element_count() != count * n_flags) {
     return fail("bad scalars or flags");
   }
   out.scalars = static_cast<const T*>(scalars.untyped_data());
   out.flags = static_cast<const int32_t*>(flags.untyped_data());
+  out.count = count;
+  out.buffers = buffers;
+  out.n_flags = n_flags;
+  out.window = window;
+  for (int64_t j = 0; j < (2 + kinds) * count; ++j) {
+    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(j).value();
+    const int64_t i = j % count;
+    if (b.element_type() != dtype) return fail("operand of another dtype");
+    const bool stand_in = window && j >= count && j < 2 * count && !out.window_flags(i)[0];
+    if (j < count) {
+      out.size.push_back(b.element_count());
+      out.param.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data()));
+    } else if (stand_in ? b.element_count() != 1 : b.element_count() != out.size[i]) {
+      return fail("operand unlike its parameter");
+    } else if (j < 2 * count) {
+      out.grad.push_back(stand_in ? nullptr : static_cast<const T*>(b.untyped_data()));
+    } else {
+      out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>((2 + kinds) * count + i).value();
+    if (b.element_type() != ffi::S32 || b.element_count() != 1) return fail("bad step counter");
+    out.step.push_back(static_cast<int32_t*>(rets.get<ffi::AnyBuffer>((1 + kinds) * count + i).value()->untyped_data()));
+  }
   return ffi::Error::Success();
 }
 
-// Runs rule(leaf, lo, hi) over the elements of every active leaf, in items of kGrain, and
-// advances the active leaves' step counters.
-template <typename T, typename Rule>
-void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, int64_t n_flags, Rule rule) {
+// Runs step(leaf, lo, hi) over the elements of every active leaf, in items of kGrain, and
+// advances the active leaves' step counters. In a window call every leaf has work (the
+// accumulator moves on every call): an active leaf steps, the others run window(leaf,
+// lo, hi), which adds the gradient in (or, on the closing call, writes the mean).
+template <typename T, typename Step, typename Window>
+void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step, Window window) {
   struct Item {
     int64_t leaf, lo, hi;
+    bool active;
   };
   std::vector<Item> items;
   for (int64_t i = 0; i < leaves.count; ++i) {
-    if (!leaves.flags[i * n_flags]) continue;  // grad_mask: outputs alias inputs, unchanged
-    ++*leaves.step[i];
+    // grad_mask: outputs alias inputs, unchanged
+    const bool active = leaves.flags[i * leaves.n_flags] != 0;
+    if (active) ++*leaves.step[i];
+    if (!active && !leaves.window) continue;
     for (int64_t lo = 0; lo < leaves.size[i]; lo += kGrain) {
-      items.push_back({i, lo, std::min(leaves.size[i], lo + kGrain)});
+      items.push_back({i, lo, std::min(leaves.size[i], lo + kGrain), active});
     }
   }
-  ParallelFor(pool, static_cast<int64_t>(items.size()), [&items, &rule](int64_t k) {
-    rule(items[k].leaf, items[k].lo, items[k].hi);
+  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t k) {
+    const Item& it = items[k];
+    if (it.active) {
+      step(it.leaf, it.lo, it.hi);
+    } else {
+      window(it.leaf, it.lo, it.hi);
+    }
   });
+}
+
+// An inactive leaf's share of a window call: the gradient added in, or on the closing
+// call the window's mean written over the sum (the step itself is skipped).
+template <typename T>
+auto WindowWork(const Leaves<T>& x, int64_t n_scalars) {
+  return [&x, n_scalars](int64_t i, int64_t lo, int64_t hi) {
+    const int32_t* w = x.window_flags(i);  // has a gradient, fresh, stepping
+    if (!w[2]) return AddLoop(lo, hi, x.acc(i), x.grad[i], bool(w[1]));
+    const T inv_every = x.scalars[(i + 1) * n_scalars - 1];
+    WithFlags(
+        [&](auto kHasG, auto kMean) {
+          for (int64_t e = lo; e < hi; ++e) StepGrad<T, true, kHasG, kMean>(e, x.grad[i], x.acc(i), inv_every);
+        },
+        x.grad[i] != nullptr, inv_every != T(1));
+  };
+}
+
+// The window template flags of leaf i: (window, this call has a gradient, mean).
+template <typename T, typename F>
+void WithWindow(const Leaves<T>& x, int64_t i, int64_t n_scalars, F&& f) {
+  const bool window = x.window;
+  const T inv_every = window ? x.scalars[(i + 1) * n_scalars - 1] : T(1);
+  WithFlags([&](auto... c) { f(inv_every, c...); }, window, window && x.grad[i] != nullptr,
+            window && inv_every != T(1));
 }
 
 template <typename T>
 void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maximize) {
-  ForEachItem(pool, x, 4, [&](int64_t i, int64_t lo, int64_t hi) {
-    const T* s = x.scalars + 4 * i;  // -lr, momentum, 1 - dampening, weight_decay
-    const int32_t* f = x.flags + 4 * i;  // active, weight_decay != 0, step == 1, momentum != 0
-    WithFlags(
-        [&](auto kWd, auto kUse) {
-          SgdLoop<T, kWd, kUse>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), s[0], s[1], s[2], s[3],
-                                maximize ? T(-1) : T(1), bool(f[2]), nesterov);
-        },
-        bool(f[1]), x.buffers > 0 && f[3]);
-  });
+  const int64_t n_scalars = 4 + (x.window ? 1 : 0);
+  auto step = [&](int64_t i, int64_t lo, int64_t hi) {
+    const T* s = x.scalars + n_scalars * i;  // -lr, momentum, 1 - dampening, weight_decay
+    const int32_t* f = x.flags + x.n_flags * i;  // active, weight_decay != 0, step == 1, momentum != 0
+    WithWindow(x, i, n_scalars, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+      WithFlags(
+          [&](auto kWd, auto kUse) {
+            SgdLoop<T, kWd, kUse, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i),
+                                                         x.acc(i), s[0], s[1], s[2], s[3],
+                                                         maximize ? T(-1) : T(1), inv_every, bool(f[2]),
+                                                         nesterov);
+          },
+          bool(f[1]), x.buffers > 0 && f[3]);
+    });
+  };
+  ForEachItem(pool, x, step, WindowWork(x, n_scalars));
 }
 
 template <typename T>
 void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool decoupled) {
-  ForEachItem(pool, x, 3, [&](int64_t i, int64_t lo, int64_t hi) {
-    const T* s = x.scalars + 9 * i;
-    const int32_t* f = x.flags + 3 * i;  // active, weight_decay != 0, |w| < 0.5
+  const int64_t n_scalars = 9 + (x.window ? 1 : 0);
+  auto step = [&](int64_t i, int64_t lo, int64_t hi) {
+    const T* s = x.scalars + n_scalars * i;
+    const int32_t* f = x.flags + x.n_flags * i;  // active, weight_decay != 0, |w| < 0.5
     const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
                            maximize ? T(-1) : T(1), bool(f[2])};
-    WithFlags(
-        [&](auto kDecay, auto kCoupled, auto kAms) {
-          AdamLoop<T, kDecay, kCoupled, kAms>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i),
-                                              x.buf(2, i), c);
-        },
-        decoupled && f[1], !decoupled && f[1], x.buffers == 3);
-  });
+    WithWindow(x, i, n_scalars, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+      WithFlags(
+          [&](auto kDecay, auto kCoupled, auto kAms) {
+            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean>(
+                lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i), x.buf(2, i), x.acc(i), c,
+                inv_every);
+          },
+          decoupled && f[1], !decoupled && f[1], x.buffers == 3);
+    });
+  };
+  ForEachItem(pool, x, step, WindowWork(x, n_scalars));
 }
 
 // Runs step(leaves) with T the operands' C++ type.
 template <typename Step>
 ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                    int64_t buffers, int64_t n_scalars, int64_t n_flags, Step step) {
+                    int64_t buffers, int64_t n_scalars, int64_t n_flags, bool window, Step step) {
   if (args.size() == 0) return ffi::Error::InvalidArgument(std::string(name) + ": no operands");
   const ffi::DataType dtype = args.get<ffi::AnyBuffer>(0).value().element_type();
   auto run = [&](auto zero) {
     using T = decltype(zero);
     Leaves<T> leaves;
-    ffi::Error e = Unpack<T>(name, args, rets, count, buffers, n_scalars, n_flags, leaves);
+    ffi::Error e = Unpack<T>(name, args, rets, count, buffers, n_scalars, n_flags, window, leaves);
     if (e.failure()) return e;
     step(leaves);
     return ffi::Error::Success();
@@ -274,14 +370,14 @@ ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRet
 }
 
 ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                   bool has_momentum, bool nesterov, bool maximize) {
-  return Dispatch("fused SGD", args, rets, count, has_momentum ? 1 : 0, 4, 4,
+                   bool window, bool has_momentum, bool nesterov, bool maximize) {
+  return Dispatch("fused SGD", args, rets, count, has_momentum ? 1 : 0, 4, 4, window,
                   [&](const auto& leaves) { SgdStep(pool, leaves, nesterov, maximize); });
 }
 
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                    bool maximize, bool decoupled, bool amsgrad) {
-  return Dispatch("fused Adam", args, rets, count, amsgrad ? 3 : 2, 9, 3,
+                    bool window, bool maximize, bool decoupled, bool amsgrad) {
+  return Dispatch("fused Adam", args, rets, count, amsgrad ? 3 : 2, 9, 3, window,
                   [&](const auto& leaves) { AdamStep(pool, leaves, maximize, decoupled); });
 }
 
@@ -293,6 +389,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoSgd, SgdImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
+                                  .Attr<bool>("window")
                                   .Attr<bool>("has_momentum")
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("maximize"));
@@ -303,6 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdam, AdamImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
+                                  .Attr<bool>("window")
                                   .Attr<bool>("maximize")
                                   .Attr<bool>("decoupled")
                                   .Attr<bool>("amsgrad"));
