@@ -361,6 +361,15 @@ def bench_steps(
     return rows
 
 
+#: grad_accumulate's layouts: (name in the targets, contender prefix, its bare ``acc + g``,
+#: packer, fused=True). The tree with fused=True shares the tree's bare ``acc + g``.
+ACCUMULATE_LAYOUTS = (
+    ("tree", "fo", "bare acc+g", "jax_tree", False),
+    ("tree, fused=True", "fo fused", "bare acc+g", "jax_tree", True),
+    ("flat, fused=True", "fo flat", "bare flat acc+g", "flat_tree", True),
+)
+
+
 def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int = 1) -> list[dict[str, Any]]:
     torch = _torch()
     rows = []
@@ -371,12 +380,18 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
         grads = jax_tree(np_grads)
         nbytes = 4 * n_params
         contenders = ceiling_contenders(n_params, torch)
-
-        # the tree as given (the plain rule) and the flat layout (one buffer, fused=True)
-        contenders += accumulate_contenders("", jax_tree, np_leaves, np_grads, fo_sgd(), nbytes)
-        contenders += accumulate_contenders(
-            "flat ", flat_tree, np_leaves, np_grads, fo_sgd(fused=True), nbytes
-        )
+        bares = set()
+        for _, prefix, bare, pack, fused in ACCUMULATE_LAYOUTS:
+            contenders += accumulate_contenders(
+                prefix,
+                bare if bare not in bares else None,
+                globals()[pack],
+                np_leaves,
+                np_grads,
+                fo_sgd(fused=fused),
+                nbytes,
+            )
+            bares.add(bare)
         multi = optax.MultiSteps(optax_sgd(), every_k_schedule=NEVER)
         contenders.append(
             jax_contender(
@@ -407,19 +422,17 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
             **_summarise(contenders, timings, n_params, "micro"),
         }
         t = row["times_ms"]
-        row["ratios"] = {
-            "fo micro/bare acc+g": _ratio(t, "fo micro-step", "bare acc+g"),
-            "MultiSteps micro/fo micro": _ratio(t, "optax MultiSteps micro-step", "fo micro-step"),
-            "fo window step/fo plain step": _ratio(t, "fo window step", "fo plain step"),
-            "fo flat micro/bare flat acc+g": _ratio(t, "fo flat micro-step", "bare flat acc+g"),
-            "fo flat window step/fo flat plain step": _ratio(t, "fo flat window step", "fo flat plain step"),
-        }
-        # what closing a window adds to the optimizer step itself: the window step is a
-        # micro-step (adding the last gradient in) followed by the step on the sum
-        for prefix in ("fo", "fo flat"):
-            row["ratios"][f"{prefix} (window - micro)/plain"] = (
-                t[f"{prefix} window step"] - t[f"{prefix} micro-step"]
-            ) / t[f"{prefix} plain step"]
+        row["ratios"] = {}
+        for _, prefix, bare, _, _ in ACCUMULATE_LAYOUTS:
+            micro, window, plain = (f"{prefix} {k} step" for k in ("micro", "window", "plain"))
+            row["ratios"] |= {
+                f"{prefix} micro/bare": _ratio(t, micro, bare),
+                f"MultiSteps micro/{prefix} micro": _ratio(t, "optax MultiSteps micro-step", micro),
+                f"{prefix} window/plain": _ratio(t, window, plain),
+                # what closing a window adds to the optimizer step itself: the window step
+                # is a micro-step (adding the last gradient in) and the step on the mean
+                f"{prefix} (window - micro)/plain": (t[window] - t[micro]) / t[plain],
+            }
         rows.append(row)
         del contenders, grads
         gc.collect()
@@ -427,11 +440,18 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
 
 
 def accumulate_contenders(
-    layout: str, pack: Callable[[Sequence[np.ndarray]], Any], np_leaves, np_grads, sgd: Any, nbytes: int
+    prefix: str,
+    bare: str | None,
+    pack: Callable[[Sequence[np.ndarray]], Any],
+    np_leaves,
+    np_grads,
+    sgd: Any,
+    nbytes: int,
 ) -> list[Contender]:
-    """grad_accumulate(``sgd``) in one layout (``layout`` "" with ``pack=jax_tree``, "flat "
-    with ``flat_tree``): its micro-step, a bare jitted ``acc + g`` on the same arrays, the
-    call that closes a window of 2 (after an untimed micro-step) and the plain step."""
+    """grad_accumulate(``sgd``) with the arrays laid out by ``pack`` (``jax_tree`` or
+    ``flat_tree``): its micro-step, the call that closes a window of 2 (after an untimed
+    micro-step) and the plain step, named ``"{prefix} micro step"`` and so on; and, named
+    ``bare`` unless None, a bare jitted ``acc + g`` on the same arrays."""
     grads = pack(np_grads)
 
     def stepper(tx: Any) -> JaxStepper:
@@ -439,32 +459,29 @@ def accumulate_contenders(
         return JaxStepper(fo_step_fn(tx), params, grads, tx.init(params), nbytes)
 
     micro = stepper(fo.grad_accumulate(sgd, every=NEVER))
-    acc = {"acc": jax.tree.map(jnp.zeros_like, pack(np_leaves))}
-    add = (
-        jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0).lower(acc["acc"], grads).compile()
-    )
-
-    def run_add() -> None:
-        acc["acc"] = add(acc["acc"], grads)
-        wait(acc["acc"])
-
     window = stepper(fo.grad_accumulate(sgd, every=2))
     plain = stepper(sgd)
     micro_bytes, step_bytes = BYTES_PER_PARAM["micro"], BYTES_PER_PARAM["sgd"]
-    return [
-        Contender(f"fo {layout}micro-step", micro, bytes_per_param=micro_bytes, memory=micro.memory),
+    out = [
+        Contender(f"{prefix} micro step", micro, bytes_per_param=micro_bytes, memory=micro.memory),
         Contender(
-            f"bare {layout}acc+g", run_add, bytes_per_param=micro_bytes, memory=peak_memory_units(add, nbytes)
+            f"{prefix} window step", window, prepare=window, bytes_per_param=step_bytes, memory=window.memory
         ),
-        Contender(
-            f"fo {layout}window step",
-            window,
-            prepare=window,
-            bytes_per_param=step_bytes,
-            memory=window.memory,
-        ),
-        Contender(f"fo {layout}plain step", plain, bytes_per_param=step_bytes, memory=plain.memory),
+        Contender(f"{prefix} plain step", plain, bytes_per_param=step_bytes, memory=plain.memory),
     ]
+    if bare is not None:
+        acc = {"acc": jax.tree.map(jnp.zeros_like, pack(np_leaves))}
+        add = jax.jit(lambda a, g: jax.tree.map(jnp.add, a, g), donate_argnums=0)
+        add = add.lower(acc["acc"], grads).compile()
+
+        def run_add() -> None:
+            acc["acc"] = add(acc["acc"], grads)
+            wait(acc["acc"])
+
+        out.append(
+            Contender(bare, run_add, bytes_per_param=micro_bytes, memory=peak_memory_units(add, nbytes))
+        )
+    return out
 
 
 def _compile_seconds(fn: Callable, *args: Any) -> float:
@@ -489,6 +506,10 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
             ),
         }
         candidates["fo sgd fused"] = (fo_sgd(fused=True), fo_step_fn)
+        candidates["fo grad_accumulate fused"] = (
+            fo.grad_accumulate(fo_sgd(fused=True), every=ACCUMULATE_EVERY),
+            fo_step_fn,
+        )
         candidates["fo adam"] = (fo_adam(), fo_step_fn)
         candidates["fo adam fused"] = (fo_adam(fused=True), fo_step_fn)
         candidates["optax adam"] = (optax.adam(ADAM_LR), optax_step_fn)
@@ -507,6 +528,9 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
         row["ratios"] = {
             "fo sgd/optax sgd": _ratio(s, "fo sgd", "optax sgd"),
             "fo grad_accumulate/optax MultiSteps": _ratio(s, "fo grad_accumulate", "optax MultiSteps"),
+            "fo grad_accumulate fused/optax MultiSteps": _ratio(
+                s, "fo grad_accumulate fused", "optax MultiSteps"
+            ),
             "fo adam/optax adam": _ratio(s, "fo adam", "optax adam"),
             "fo sgd flat/optax sgd": _ratio(s, "fo sgd flat", "optax sgd"),
             "fo sgd fused/optax sgd": _ratio(s, "fo sgd fused", "optax sgd"),
@@ -581,11 +605,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             at_most=False,
         )
     acc = result.get("accumulate", [])
-    for layout, prefix, bare in (
-        ("tree", "fo", "bare acc+g"),
-        ("flat, fused=True", "fo flat", "bare flat acc+g"),
-    ):
-        micro = f"{prefix} micro-step"
+    for layout, prefix, bare, _, _ in ACCUMULATE_LAYOUTS:
+        micro, window, plain = (f"{prefix} {k} step" for k in ("micro", "window", "plain"))
         add("2. micro-step / bare acc + g", layout, [(label(r), ratio(r, micro, bare)) for r in acc], 1.1)
         add(
             "2. MultiSteps micro-step / micro-step",
@@ -600,22 +621,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             [(label(r), r["ratios"].get(f"{prefix} (window - micro)/plain")) for r in acc],
             1.0,
         )
-        add(
-            "2. window step / plain step",
-            layout,
-            [(label(r), ratio(r, f"{prefix} window step", f"{prefix} plain step")) for r in acc],
-            1.0,
-        )
+        add("2. window step / plain step", layout, [(label(r), ratio(r, window, plain)) for r in acc], 1.0)
         add(
             "2. peak memory of micro and window steps ×P",
             layout,
             [
-                (
-                    f"{label(r)} {kind}",
-                    r["memory_x_params"].get(f"{prefix} {kind} step" if kind == "window" else micro),
-                )
+                (f"{label(r)} {k}", r["memory_x_params"].get(f"{prefix} {k} step"))
                 for r in acc
-                for kind in ("micro", "window")
+                for k in ("micro", "window")
             ],
             4.0 + 0.05,  # params + grads + momentum + accumulator, plus scalars
         )
@@ -631,6 +644,12 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             ("3. compile Adam step / optax", "tree", "fo adam", "optax adam"),
             ("3. compile Adam step / optax", "flat", "fo adam flat", "optax adam"),
             ("3. compile grad_accumulate / MultiSteps", "tree", "fo grad_accumulate", "optax MultiSteps"),
+            (
+                "3. compile grad_accumulate / MultiSteps",
+                "tree, fused=True",
+                "fo grad_accumulate fused",
+                "optax MultiSteps",
+            ),
             (
                 "3. compile grad_accumulate / MultiSteps",
                 "flat",
@@ -695,28 +714,25 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### grad_accumulate(sgd), float32 (median ms; the window step closes a window of 2)",
             "",
-            "| params | leaves | fo micro-step | bare acc+g | MultiSteps micro-step | torch grad.add_ "
-            "| fo / bare | MultiSteps / fo | fo window step | fo plain step | window / plain "
-            "| (window − micro) / plain | flat micro-step | bare flat acc+g | flat micro / bare "
-            "| flat fused window step | flat fused plain step | flat (window − micro) / plain "
-            "| peak fo micro ×P | peak bare ×P | peak MultiSteps ×P | peak flat fused window ×P |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| params | leaves | layout | micro-step | bare acc+g | micro / bare | MultiSteps micro-step "
+            "| MultiSteps / micro | window step | plain step | window / plain | (window − micro) / plain "
+            "| torch grad.add_ | peak micro ×P | peak window ×P | peak bare ×P | peak MultiSteps ×P |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["accumulate"]:
             t, q, m = r["times_ms"], r["ratios"], r["memory_x_params"]
-            lines.append(
-                f"| {_size(r['params'])} | {r['leaves']} | {_fmt(t.get('fo micro-step'))} "
-                f"| {_fmt(t.get('bare acc+g'))} | {_fmt(t.get('optax MultiSteps micro-step'))} "
-                f"| {_fmt(t.get('torch grad.add_'))} | {_fmt(q['fo micro/bare acc+g'])} "
-                f"| {_fmt(q['MultiSteps micro/fo micro'], '.1f')} | {_fmt(t.get('fo window step'))} "
-                f"| {_fmt(t.get('fo plain step'))} | {_fmt(q['fo window step/fo plain step'])} "
-                f"| {_fmt(q.get('fo (window - micro)/plain'))} | {_fmt(t.get('fo flat micro-step'))} "
-                f"| {_fmt(t.get('bare flat acc+g'))} | {_fmt(q.get('fo flat micro/bare flat acc+g'))} "
-                f"| {_fmt(t.get('fo flat window step'))} | {_fmt(t.get('fo flat plain step'))} "
-                f"| {_fmt(q.get('fo flat (window - micro)/plain'))} "
-                f"| {_fmt(m.get('fo micro-step'))} | {_fmt(m.get('bare acc+g'))} "
-                f"| {_fmt(m.get('optax MultiSteps micro-step'))} | {_fmt(m.get('fo flat window step'))} |"
-            )
+            for layout, prefix, bare, _, _ in ACCUMULATE_LAYOUTS:
+                micro, window, plain = (f"{prefix} {k} step" for k in ("micro", "window", "plain"))
+                lines.append(
+                    f"| {_size(r['params'])} | {r['leaves']} | {layout} | {_fmt(t.get(micro))} "
+                    f"| {_fmt(t.get(bare))} | {_fmt(q.get(f'{prefix} micro/bare'))} "
+                    f"| {_fmt(t.get('optax MultiSteps micro-step'))} "
+                    f"| {_fmt(q.get(f'MultiSteps micro/{prefix} micro'), '.1f')} | {_fmt(t.get(window))} "
+                    f"| {_fmt(t.get(plain))} | {_fmt(q.get(f'{prefix} window/plain'))} "
+                    f"| {_fmt(q.get(f'{prefix} (window - micro)/plain'))} | {_fmt(t.get('torch grad.add_'))} "
+                    f"| {_fmt(m.get(micro))} | {_fmt(m.get(window))} | {_fmt(m.get(bare))} "
+                    f"| {_fmt(m.get('optax MultiSteps micro-step'))} |"
+                )
         lines.append("")
     if result.get("compile"):
         names = list(result["compile"][0]["seconds"])
@@ -726,8 +742,8 @@ def markdown(result: dict[str, Any]) -> str:
             "| leaves | "
             + " | ".join(names)
             + " | fo / optax sgd | fo fused / optax sgd | fo flat / optax sgd | fo / MultiSteps "
-            "| fo flat / MultiSteps | fo adam flat / optax adam |",
-            "|---|" + "---|" * (len(names) + 6),
+            "| fo fused / MultiSteps | fo flat / MultiSteps | fo adam flat / optax adam |",
+            "|---|" + "---|" * (len(names) + 7),
         ]
         for r in result["compile"]:
             s, q = r["seconds"], r["ratios"]
@@ -737,6 +753,7 @@ def markdown(result: dict[str, Any]) -> str:
                 + f" | {_fmt(q['fo sgd/optax sgd'])} | {_fmt(q.get('fo sgd fused/optax sgd'))} "
                 + f"| {_fmt(q.get('fo sgd flat/optax sgd'))} "
                 + f"| {_fmt(q['fo grad_accumulate/optax MultiSteps'])} "
+                + f"| {_fmt(q.get('fo grad_accumulate fused/optax MultiSteps'))} "
                 + f"| {_fmt(q.get('fo grad_accumulate flat/optax MultiSteps'))} "
                 + f"| {_fmt(q.get('fo adam flat/optax adam'))} |"
             )
@@ -793,7 +810,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.set_title("optimizer step (float32)")
         elif panel == "accumulate":
             rows = result["accumulate"]
-            names = ["fo micro-step", "fo flat micro-step", "optax MultiSteps micro-step", "torch grad.add_"]
+            names = [f"{prefix} micro step" for _, prefix, _, _, _ in ACCUMULATE_LAYOUTS]
+            names += ["optax MultiSteps micro-step", "torch grad.add_"]
             labels = [f"{_size(r['params'])}×{r['leaves']}" for r in rows]
             width = 0.8 / len(names)
             bare = lambda r, name: r["times_ms"]["bare flat acc+g" if "flat" in name else "bare acc+g"]

@@ -169,7 +169,17 @@ def _call(
             **{2 * count + j: count + j for j in range(len(buffers) + count)},
         },
         vmap_method="sequential",
-    )(*params, *grads, *buffers, *steps, scalars, flags, count=np.int64(count), window=window is not None, **attrs)
+    )(
+        *params,
+        *grads,
+        *buffers,
+        *steps,
+        scalars,
+        flags,
+        count=np.int64(count),
+        window=window is not None,
+        **attrs,
+    )
     n = len(names) + (window is not None)
     return [
         (

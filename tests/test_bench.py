@@ -74,34 +74,34 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
 def test_accumulate_rows_have_every_contender(result):
     rows = result["json"]["accumulate"]
     assert len(rows) == 2
-    names = {
-        "fo micro-step",
+    layouts = ("fo", "fo fused", "fo flat")
+    steps = {f"{prefix} {kind} step" for prefix in layouts for kind in ("micro", "window", "plain")}
+    names = steps | {
         "bare acc+g",
+        "bare flat acc+g",
         "optax MultiSteps micro-step",
-        "fo window step",
-        "fo plain step",
         "torch grad.add_",
         "ceiling jax",
         "ceiling torch",
-        "fo flat micro-step",
-        "bare flat acc+g",
-        "fo flat window step",
-        "fo flat plain step",
     }
     for row in rows:
         assert set(row["times_ms"]) == names
         assert all(_finite_positive(v) for v in row["times_ms"].values())
-        window_parts = {"fo (window - micro)/plain", "fo flat (window - micro)/plain"}
+        window_parts = {f"{prefix} (window - micro)/plain" for prefix in layouts}
         assert window_parts < set(row["ratios"])
         # a difference of two noisy times: finite, not necessarily positive
         assert all(math.isfinite(row["ratios"][k]) for k in window_parts)
         assert all(_finite_positive(v) for k, v in row["ratios"].items() if k not in window_parts)
-        # one accumulator on top of params + grads + momentum buffer, nothing more; the
-        # fused window step included (the mean is written over the accumulated sum)
-        for name in ("fo micro-step", "fo window step", "fo flat micro-step", "fo flat window step"):
-            assert 4.0 <= row["memory_x_params"][name] < 4.1, name
+        # one accumulator on top of params + grads + momentum buffer, nothing more, in
+        # every layout (the fused window call writes the mean over the accumulated sum)
+        for prefix in layouts:
+            for kind in ("micro", "window"):
+                name = f"{prefix} {kind} step"
+                assert 4.0 <= row["memory_x_params"][name] < 4.1, name
         assert 2.0 <= row["memory_x_params"]["bare acc+g"] < 2.1
         assert 2.0 <= row["memory_x_params"]["bare flat acc+g"] < 2.1
+    md = result["md"]
+    assert "| 20k | 4 | tree, fused=True |" in md and "| 20k | 4 | flat, fused=True |" in md
 
 
 def test_compile_rows_and_outputs(result):
@@ -115,6 +115,7 @@ def test_compile_rows_and_outputs(result):
             "fo grad_accumulate flat",
             "optax sgd",
             "fo grad_accumulate",
+            "fo grad_accumulate fused",
             "optax MultiSteps",
             "optax adam",
         }

@@ -221,3 +221,107 @@ def test_many_parameters_are_split_into_bounded_calls():
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
     assert len(re.findall(r"fo_sgd", text)) == 2
+
+
+# ----------------------------------------------------------- grad_accumulate's window calls
+
+WINDOWS = [(2, "mean"), (3, "mean"), (3, "sum")]
+WINDOW_CASES = [
+    *CASES[::3],
+    ("sgd-scheduled", fo.sgd, dict(lr=fo.schedules.exponential_lr(0.1, gamma=0.9), momentum=0.9)),
+    ("adam-scheduled", fo.adam, dict(lr=fo.schedules.step_lr(0.1, step_size=2), betas=(0.9, 0.99))),
+]
+
+
+def _window_grads(params, k):
+    # "b" misses some calls of a window; "late" has none until the fourth call
+    g = _grads(params, k)
+    if k % 3 == 1:
+        g["b"] = None
+    g["late"] = None if k < 3 else jnp.cos(params["late"] * k)
+    return g
+
+
+def _window_run(tx, params, calls):
+    params = jax.tree.map(jnp.copy, params)
+    state = tx.init(params)
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2))
+    trail = []
+    for k in range(calls):
+        params, state = step(params, _window_grads(params, k), state)
+        trail.append(jax.tree.map(lambda x: np.array(x, copy=True), (params, state)))  # donated next
+    return trail
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize(("name", "factory", "config"), WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+def test_window_calls_are_bit_identical_to_the_jitted_path(name, factory, config, dtype):
+    every, reduction = WINDOWS[WINDOW_CASES.index((name, factory, config)) % len(WINDOWS)]
+    params = {**_params(dtype), "late": jnp.linspace(-1, 1, 7, dtype=dtype)}
+    make = lambda fused: fo.grad_accumulate(factory(**config, fused=fused), every, reduction)
+    fused, plain = _window_run(make(True), params, 8), _window_run(make(False), params, 8)
+    # after every call: params, the accumulator, the flags and the whole inner state
+    for a, b in zip(fused, plain):
+        _assert_same_bits(a, b)
+    params_8, state_8 = fused[-1]
+    assert int(state_8.gradient_step) == 8 // every
+    assert not np.array_equal(np.asarray(params_8["w"]), np.asarray(params["w"]))
+    assert np.array_equal(np.asarray(params_8["none"]), np.asarray(params["none"]))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
+        lambda: fo.adam(lr=0.1, amsgrad=True, fused=True),
+    ],
+    ids=["sgd", "adam-amsgrad"],
+)
+def test_a_window_call_is_one_in_place_kernel_call(make):
+    # no loop, no conditional: the call that adds the gradient in and the call that closes
+    # the window are the same program, one kernel call updating everything in place
+    params = {k: v for k, v in _params(jnp.float32).items() if k not in ("none", "empty")}
+    tx = fo.grad_accumulate(make(), every=4)
+    state = tx.init(params)
+    fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2), keep_unused=True)
+    compiled = fn.lower(params, params, state).compile()
+    text = compiled.as_text()
+    assert len(re.findall(r"custom-call\(", text)) == 1
+    assert not re.search(r" (while|conditional)\(", text)
+    assert unaliased_paths(compiled, (params, params, state), (0, 2)) == []
+    assert compiled.memory_analysis().temp_size_in_bytes < 4096
+
+
+def test_window_over_other_dtypes_runs_the_jitted_path():
+    params = {"a": _params(jnp.float32)["w"], "c": _params(jnp.bfloat16)["b"]}
+    make = lambda fused: fo.grad_accumulate(fo.adam(lr=0.1, fused=fused), every=2)
+    tx = make(True)
+    text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
+    assert "while" in text  # the loop of the jitted path: bfloat16 has no kernel
+    grads = lambda p, k: jax.tree.map(lambda x: jnp.sin(x * (k + 1.3)), p)
+    out = []
+    for fused in (True, False):
+        tx, p = make(fused), params
+        state = tx.init(p)
+        for k in range(4):
+            p, state = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))(p, grads(p, k), state)
+        out.append((p, state))
+    _assert_same_bits(out[0], out[1])
+
+
+def test_window_over_many_parameters_is_split_into_bounded_calls():
+    n = _fused._LEAVES_PER_CALL + 3
+    params = {f"p{i:03d}": jnp.linspace(-1.0, 1.0, 3 + i % 4, dtype=jnp.float32) for i in range(n)}
+    make = lambda fused: fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, fused=fused), every=2)
+    grads = {k: jnp.cos(v) for k, v in params.items()}
+    out = []
+    for fused in (True, False):
+        tx, p = make(fused), params
+        state = tx.init(p)
+        for _ in range(4):
+            p, state = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))(p, grads, state)
+        out.append((p, state))
+    _assert_same_bits(out[0], out[1])
+    tx = make(True)
+    text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, grads, tx.init(params)).as_text()
+    assert len(re.findall(r"fo_sgd", text)) == 2
