@@ -90,7 +90,10 @@ def grad_accumulate(
     and a few scalar operations, whatever the number of parameters; the inner optimizer
     runs only on the step (for this package's optimizers in a loop of zero or one trips,
     for any other transformation in a ``lax.cond``). With ``functorch_optim.step`` a
-    micro-step does not touch the parameters at all.
+    micro-step does not touch the parameters at all. With a ``fused=True`` optimizer
+    inside (``every >= 2``, on the CPU) each call is one kernel call per dtype instead:
+    it adds the gradient in, or on the closing call steps on the window's mean in the
+    same pass, with the same numbers.
 
     Args:
       tx: any optax-compatible transformation (this package's or optax's).
