@@ -53,6 +53,15 @@ def _acc_dtype(dtype: Any) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _map_masked(fn: Any, grads: PyTree, acc: PyTree, mask: list | None) -> PyTree:
+    """``fn(g, a, m)`` over the leaves of ``grads`` (``None`` leaves included) and ``acc``,
+    with ``m`` the leaf's ``grad_mask`` flag or None."""
+    treedef = jax.tree.structure(acc)
+    g_leaves = treedef.flatten_up_to(grads)
+    masks = mask if mask is not None else [None] * len(g_leaves)
+    return treedef.unflatten([fn(g, a, m) for g, a, m in zip(g_leaves, treedef.flatten_up_to(acc), masks)])
+
+
 def _run_if(pred: jax.Array, fn: Any, carry: PyTree) -> PyTree:
     """``fn(carry)`` where ``pred`` holds, else ``carry``: a while loop of 0 or 1 trips.
 
@@ -125,7 +134,10 @@ def grad_accumulate(
       A parameter whose gradient is ``None`` in every call of a window is skipped by the
       step (its value and, for this package's optimizers, its state stay unchanged), as
       torch skips a parameter whose ``.grad`` stayed ``None``. An optax inner
-      transformation cannot skip a leaf; it receives a zero gradient there.
+      transformation cannot skip a leaf; it receives a zero gradient there. The extra
+      argument ``grad_mask`` (a tree of boolean scalars, as this package's optimizers
+      take it) marks parameters as having no gradient in this call, with the same
+      effect as a ``None`` leaf: they are not added in.
       ``optax.MultiSteps`` instead runs the inner optimizer on every call and selects
       the result, and accumulates in float32 even under x64.
 
@@ -155,30 +167,39 @@ def grad_accumulate(
             inner_state=tx.init(params),
         )
 
-    def flags(grads, state, fresh):
-        # which parameters have a gradient in this call is static: one operation for all
+    def flags(grads, state, fresh, mask):
+        # which parameters have a gradient in this call: static (None leaves), or with a
+        # grad_mask one operation for all
         present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
-        if all(present):
+        if mask is None and all(present):
             return jnp.ones(state.has_grad.shape, bool), True
         present = jnp.asarray(present, bool)
+        if mask is not None:
+            present = present & jnp.stack([jnp.asarray(m, bool) for m in mask])
         return jnp.where(fresh, present, state.has_grad | present), False
 
-    def add_in(grads, acc, fresh):
+    def add_in(grads, acc, fresh, mask):
         # A window opens (mini_step == 0) by overwriting the sum, so one in-place pass per
         # call is all a micro-step costs, and the step never has to write zeros back.
-        def add(g, a):
+        def add(g, a, m):
+            kept = jnp.where(fresh, jnp.zeros_like(a), a)
             if g is None:
-                return jnp.where(fresh, jnp.zeros_like(a), a)
+                return kept
             g = g.astype(a.dtype)
-            return jnp.where(fresh, g, a + g)
+            added = jnp.where(fresh, g, a + g)
+            # grad_mask off: as if the gradient were None
+            return added if m is None else jnp.where(m, added, kept)
 
-        return jax.tree.map(add, grads, acc, is_leaf=is_none)
+        return _map_masked(add, grads, acc, mask)
 
-    def given(grads, acc):
-        # every == 1: the call's own gradient is the window's sum (None: zeros)
-        return jax.tree.map(
-            lambda g, a: jnp.zeros_like(a) if g is None else g.astype(a.dtype), grads, acc, is_leaf=is_none
-        )
+    def given(grads, acc, mask):
+        # every == 1: the call's own gradient is the window's sum (None, masked: zeros)
+        def own(g, a, m):
+            if g is None:
+                return jnp.zeros_like(a)
+            return g.astype(a.dtype) if m is None else jnp.where(m, g.astype(a.dtype), 0)
+
+        return _map_masked(own, grads, acc, mask)
 
     def as_param_dtype(total, params):
         return jax.tree.map(lambda a, p: a.astype(p.dtype), total, params)
@@ -194,16 +215,17 @@ def grad_accumulate(
             kwargs["grad_mask"] = treedef.unflatten([seen[i] for i in range(treedef.num_leaves)])
         return kwargs
 
-    def run(grads, state, params, carry, step, fused=None):
+    def run(grads, state, params, carry, step, mask, fused=None):
         """Add the gradient in; on the window's closing call, ``step`` on the mean.
+        ``mask``: the call's ``grad_mask``, one flag per leaf, or None.
         ``fused(carry, acc, fresh, stepping, seen, all_seen) -> (carry, acc)``: the same
         as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
-        seen, all_seen = flags(grads, state, fresh)
+        seen, all_seen = flags(grads, state, fresh, mask)
 
         def jitted(carry, acc):
-            acc = add_in(grads, acc, fresh)
+            acc = add_in(grads, acc, fresh, mask)
             if reduction == "mean":
                 # the closing call overwrites the sum with the mean, in the pass that adds
                 # the last gradient in: a kernel that cannot fuse the division reads it
@@ -224,12 +246,12 @@ def grad_accumulate(
         if every == 1:
             # every call steps: no branch, and no pass over the accumulator
             acc = state.acc_grads
-            carry = step(carry, as_param_dtype(given(grads, acc), params), seen, all_seen)
+            carry = step(carry, as_param_dtype(given(grads, acc, mask), params), seen, all_seen)
         elif fused is not None:
             carry, acc = jax.lax.platform_dependent(
                 carry,
                 state.acc_grads,
-                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen),
+                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen, mask),
                 default=jitted,
             )
         else:
@@ -244,21 +266,27 @@ def grad_accumulate(
             return None
         treedef = jax.tree.structure(params)
 
-        def fused(carry, acc, fresh, stepping, seen, all_seen):
+        def fused(carry, acc, fresh, stepping, seen, all_seen, mask):
             params, inner = carry
             active = treedef.unflatten(
                 [stepping if all_seen else stepping & seen[i] for i in range(treedef.num_leaves)]
             )
-            window = Window(None, fresh, stepping, every if reduction == "mean" else None)
+            window = Window(None, fresh, stepping, every if reduction == "mean" else None, mask)
             params, acc, inner = window_step(params, grads, acc, inner, window, active)
             return (params, inner), acc
 
         return fused
 
+    def call_mask(params, extra_args):
+        # a grad_mask leaf that is off: that parameter has no gradient in this call
+        mask = extra_args.get("grad_mask")
+        return None if mask is None else jax.tree.structure(params).flatten_up_to(mask)
+
     def update(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("grad_accumulate: update() needs params")
         check_like_params(params, grads)
+        mask = call_mask(params, extra_args)
 
         def step(carry, mean, seen, all_seen):
             _, inner = carry
@@ -273,12 +301,13 @@ def grad_accumulate(
             return updates, inner
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (updates, inner), new_state = run(grads, state, params, (zeros, state.inner_state), step)
+        (updates, inner), new_state = run(grads, state, params, (zeros, state.inner_state), step, mask)
         updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
         return updates, new_state(inner)
 
     def step_fn(params, grads, state, **extra_args):
         check_like_params(params, grads)
+        mask = call_mask(params, extra_args)
 
         def step(carry, mean, seen, all_seen):
             params, inner = carry
@@ -288,7 +317,7 @@ def grad_accumulate(
             return _step(tx, params, mean, inner, **kwargs)
 
         carry = (params, state.inner_state)
-        (params, inner), new_state = run(grads, state, params, carry, step, fused_window(grads, params))
+        (params, inner), new_state = run(grads, state, params, carry, step, mask, fused_window(grads, params))
         return params, new_state(inner)
 
     setattr(update, STEP_ATTR, step_fn)

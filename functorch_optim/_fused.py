@@ -119,12 +119,15 @@ class Window(NamedTuple):
       stepping: whether it closes one (the optimizer steps), a bool scalar; never
         together with ``fresh`` (a window has at least two calls).
       every: the window's length, with ``reduction="mean"``; ``None`` for the sum.
+      grad_mask: the call's ``grad_mask`` flag of each parameter (off: no gradient in
+        this call), or ``None``.
     """
 
     accs: list[jax.Array]
     fresh: jax.Array
     stepping: jax.Array
     every: int | None
+    grad_mask: list[Any] | None = None
 
 
 def _call(
@@ -149,13 +152,16 @@ def _call(
         grads = [leaf[1].astype(dtype) for leaf in leaves]
     else:
         # a parameter without a gradient in this call gets a one-element stand-in
-        has_grad = [leaf[1] is not None for leaf in leaves]
-        grads = [leaf[1].astype(dtype) if h else jnp.zeros((1,), dtype) for leaf, h in zip(leaves, has_grad)]
+        present = [leaf[1] is not None for leaf in leaves]
+        grads = [leaf[1].astype(dtype) if h else jnp.zeros((1,), dtype) for leaf, h in zip(leaves, present)]
+        has_grad = np.asarray(present)
+        if window.grad_mask is not None:
+            has_grad = has_grad & jnp.stack([jnp.asarray(m, bool) for m in window.grad_mask])
         buffers += window.accs
         # grad_accumulate's ``sum / every``, as XLA computes it: times the reciprocal
         inv_every = np.reciprocal(np.asarray(window.every or 1, dtype))
         scalars = [*scalars, inv_every]
-        flags = [*flags, np.asarray(has_grad), window.fresh, window.stepping]
+        flags = [*flags, has_grad, window.fresh, window.stepping]
     c = caster(dtype)
     scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
     flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
@@ -273,7 +279,8 @@ def _fused_window(kernel: Callable[..., list]) -> Callable[..., list]:
                 out[i] = (param, {"step": jnp.where(active, step + one, step), **buffers}, window.accs[i])
         for indices in _batches(leaves):
             group = [leaves[i] for i in indices]
-            part = window._replace(accs=[window.accs[i] for i in indices])
+            pick = lambda xs, indices=indices: None if xs is None else [xs[i] for i in indices]
+            part = window._replace(accs=pick(window.accs), grad_mask=pick(window.grad_mask))
             for i, result in zip(indices, kernel(group, hparams_of(group[0][0].dtype), static, one, part)):
                 out[i] = result
         return out

@@ -186,8 +186,8 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
 // [L, F] (int32, flags[i][0] = "parameter i takes this step"); ``rets`` = params[L], the
 // buffers and the step counters, each aliasing its argument. Advancing the counters here
 // keeps a step over L parameters one XLA kernel instead of L + 1 (one per counter). A
-// window call's parameter without a gradient in this call has a one-element stand-in
-// for it (its gradient flag is 0).
+// window call's parameter without a gradient in this call (its gradient flag is 0) may
+// have a one-element stand-in for it.
 template <typename T>
 struct Leaves {
   int64_t count = 0, buffers = 0, n_flags = 0;
@@ -234,14 +234,16 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
     ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(j).value();
     const int64_t i = j % count;
     if (b.element_type() != dtype) return fail("operand of another dtype");
-    const bool stand_in = window && j >= count && j < 2 * count && !out.window_flags(i)[0];
+    // a window call's parameter without a gradient in this call (None: a one-element
+    // stand-in; grad_mask off: the gradient, unread)
+    const bool no_grad = window && j >= count && j < 2 * count && !out.window_flags(i)[0];
     if (j < count) {
       out.size.push_back(b.element_count());
       out.param.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data()));
-    } else if (stand_in ? b.element_count() != 1 : b.element_count() != out.size[i]) {
+    } else if (b.element_count() != out.size[i] && !(no_grad && b.element_count() == 1)) {
       return fail("operand unlike its parameter");
     } else if (j < 2 * count) {
-      out.grad.push_back(stand_in ? nullptr : static_cast<const T*>(b.untyped_data()));
+      out.grad.push_back(no_grad ? nullptr : static_cast<const T*>(b.untyped_data()));
     } else {
       out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
     }

@@ -273,3 +273,30 @@ def test_has_grad_is_stacked_in_leaf_order():
     # the next window starts from its own first call
     _, state = step(params, {"a": None, "b": {"c": None, "d": jnp.ones(1)}}, state)
     np.testing.assert_array_equal(state.has_grad, [False, False, True])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["jitted", "fused"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_grad_mask_off_is_a_none_gradient(every, fused):
+    # a parameter masked off in a call is not added in, and is skipped by the step of a
+    # window in which it had no gradient at all: exactly as if its gradient were None
+    params = {"a": jnp.linspace(-1.0, 1.0, 5), "b": jnp.linspace(0.5, 2.0, 3)}
+    tx = fo.grad_accumulate(fo.adam(lr=0.1, weight_decay=1e-2, fused=fused), every=every)
+    off = lambda k: k % 4 in (0, 1, 2) if every == 3 else k % 2 == 0  # whole windows too
+    grads = lambda k: {"a": jnp.sin(params["a"] * (k + 1.5)), "b": jnp.cos(params["b"] * (k + 0.5))}
+
+    def run(masked):
+        p, s = params, tx.init(params)
+        step = jax.jit(lambda p, g, s, m: fo.step(tx, p, g, s, **({"grad_mask": m} if masked else {})))
+        for k in range(12):
+            g = grads(k)
+            if not masked and off(k):
+                g["b"] = None
+            mask = {"a": jnp.array(True), "b": jnp.array(not off(k))}
+            p, s = step(p, g, s, mask)
+        return p, s
+
+    (p_mask, s_mask), (p_none, s_none) = run(True), run(False)
+    for x, y in zip(jax.tree.leaves((p_mask, s_mask)), jax.tree.leaves((p_none, s_none))):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(p_mask["b"]), np.asarray(params["b"]))
