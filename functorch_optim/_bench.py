@@ -16,8 +16,11 @@ and interleaved round-robin so that machine load hits every contender alike:
   (arguments + outputs - aliased + temporaries), in units of the parameters' size;
 * **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves.
 
-Adam is taken from ``functorch_optim.adam`` when the package has it; otherwise the
-Adam rows compare optax and torch only. Output: markdown tables on stdout, ``--json``
+Everything runs on JAX's default backend; torch's contenders run on the same device
+(CUDA, waited for after each call, when JAX runs on a GPU; left out when torch cannot use
+JAX's device), so the same command benchmarks a GPU machine. Adam is taken from
+``functorch_optim.adam`` when the package has it; otherwise the Adam rows compare optax
+and torch only. Output: markdown tables on stdout, ``--json``
 and a matplotlib plot (``--plot``).
 """
 
@@ -227,7 +230,7 @@ def jax_contender(
     return Contender(name, stepper, bytes_per_param=BYTES_PER_PARAM[kind], memory=stepper.memory)
 
 
-def ceiling_contenders(n_params: int, torch: Any) -> list[Contender]:
+def ceiling_contenders(n_params: int, torch: TorchSide | None) -> list[Contender]:
     """``a += s * b`` in place on ``n_params`` float32 elements: JAX (donated) and torch."""
     a = {"a": jnp.full((n_params,), 0.5, jnp.float32)}
     b = jnp.full((n_params,), 0.25, jnp.float32)
@@ -239,43 +242,77 @@ def ceiling_contenders(n_params: int, torch: Any) -> list[Contender]:
 
     out = [Contender("ceiling jax", run_jax, bytes_per_param=BYTES_PER_PARAM["ceiling"])]
     if torch is not None:
-        ta = torch.full((n_params,), 0.5)
-        tb = torch.full((n_params,), 0.25)
+        ta, tb = torch.full(n_params, 0.5), torch.full(n_params, 0.25)
         out.append(
             Contender(
-                "ceiling torch", lambda: ta.add_(tb, alpha=1e-3), bytes_per_param=BYTES_PER_PARAM["ceiling"]
+                "ceiling torch",
+                torch.timed(lambda: ta.add_(tb, alpha=1e-3)),
+                bytes_per_param=BYTES_PER_PARAM["ceiling"],
             )
         )
     return out
 
 
-def torch_contenders(kind: str, np_leaves, np_grads, torch: Any) -> list[Contender]:
+def torch_contenders(kind: str, np_leaves, np_grads, torch: TorchSide | None) -> list[Contender]:
     if torch is None:
         return []
     out = []
-    grads = [torch.from_numpy(g) for g in np_grads]  # shared, read-only for both optimizers
+    grads = [torch.tensor(g) for g in np_grads]  # shared, read-only for both optimizers
     for flavour in ("foreach", "fused"):
         params = [torch.tensor(x) for x in np_leaves]
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         flags = {"foreach": True} if flavour == "foreach" else {"fused": True}
         if kind == "sgd":
-            opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **flags)
+            opt = torch.torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **flags)
         else:
-            opt = torch.optim.Adam(params, lr=ADAM_LR, **flags)
-        out.append(Contender(f"torch {flavour}", opt.step, bytes_per_param=BYTES_PER_PARAM[kind]))
+            opt = torch.torch.optim.Adam(params, lr=ADAM_LR, **flags)
+        out.append(
+            Contender(f"torch {flavour}", torch.timed(opt.step), bytes_per_param=BYTES_PER_PARAM[kind])
+        )
     return out
 
 
 # --------------------------------------------------------------------------- sections
 
 
-def _torch() -> Any:
+@dataclass(frozen=True)
+class TorchSide:
+    """torch on the device JAX steps on: CUDA when JAX's default backend is a GPU (and
+    torch has CUDA), else the CPU. ``timed(fn)`` is ``fn`` followed by waiting for the
+    device, so that a CUDA step is timed to its end as a JAX step is."""
+
+    torch: Any
+    device: str
+
+    def tensor(self, x: Any) -> Any:
+        return self.torch.as_tensor(x, device=self.device).clone()
+
+    def full(self, n: int, value: float) -> Any:
+        return self.torch.full((n,), value, device=self.device)
+
+    def timed(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        if self.device == "cpu":
+            return fn
+        sync = self.torch.cuda.synchronize
+
+        def run() -> None:
+            fn()
+            sync()
+
+        return run
+
+
+def _torch() -> TorchSide | None:
     try:
         import torch
     except ImportError:  # torch is an optional extra
         return None
-    return torch
+    if jax.default_backend() == "cpu":
+        return TorchSide(torch, "cpu")
+    if jax.default_backend() == "gpu" and torch.cuda.is_available():
+        return TorchSide(torch, "cuda")
+    return None  # JAX on an accelerator torch cannot use: no like-for-like torch rows
 
 
 def _summarise(contenders, timings, n_params, kind) -> dict[str, Any]:
@@ -405,14 +442,11 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
             )
         )
         if torch is not None:
-            t_acc = [torch.zeros(x.shape) for x in np_leaves]
-            t_grads = [torch.from_numpy(g) for g in np_grads]
+            t_acc = [torch.tensor(np.zeros_like(x)) for x in np_leaves]
+            t_grads = [torch.tensor(g) for g in np_grads]
+            add_ = lambda t_acc=t_acc, t_grads=t_grads: torch.torch._foreach_add_(t_acc, t_grads)
             contenders.append(
-                Contender(
-                    "torch grad.add_",
-                    lambda t_acc=t_acc, t_grads=t_grads: torch._foreach_add_(t_acc, t_grads),
-                    bytes_per_param=BYTES_PER_PARAM["micro"],
-                )
+                Contender("torch grad.add_", torch.timed(add_), bytes_per_param=BYTES_PER_PARAM["micro"])
             )
         timings = time_round_robin(contenders, reps, settle=settle)
         row = {
@@ -868,8 +902,9 @@ def run(
             "machine": f"{platform.machine()} {os.cpu_count()} cores, {jax.devices()[0].device_kind}",
             "jax": jax.__version__,
             "optax": optax.__version__,
-            "torch": None if torch is None else torch.__version__,
-            "torch_threads": None if torch is None else torch.get_num_threads(),
+            "torch": None if torch is None else torch.torch.__version__,
+            "torch_device": None if torch is None else torch.device,
+            "torch_threads": None if torch is None else torch.torch.get_num_threads(),
             "functorch_optim": fo.__version__,
             "fo_adam": hasattr(fo, "adam"),
             "reps": reps,

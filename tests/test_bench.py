@@ -125,3 +125,21 @@ def test_compile_rows_and_outputs(result):
     md = result["md"]
     assert "| sgd | 20k | 1 |" in md and "| adam | 20k | 4 |" in md and "### Compile time" in md
     assert result["json"]["meta"]["reps"] == 2
+
+
+def test_torch_follows_jax_onto_its_device(monkeypatch):
+    import torch
+
+    from functorch_optim import _bench
+
+    assert _bench._torch().device == "cpu"  # this machine: JAX on the CPU
+    monkeypatch.setattr(_bench.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _bench._torch() is None  # no like-for-like torch rows for a GPU JAX run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    side = _bench._torch()
+    assert side.device == "cuda"
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    side.timed(lambda: calls.append("step"))()
+    assert calls == ["step", "sync"]  # a CUDA step is timed until the device is done
