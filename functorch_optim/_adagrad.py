@@ -11,6 +11,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_eps, check_fused_flags, check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._fused import adagrad_kernel, fused_algorithm
 from functorch_optim._hyperparams import to_python
 from functorch_optim._torch_ops import op_casts, signed_grad
 
@@ -105,7 +106,10 @@ def adagrad(
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; every step is differentiable.
-      fused: accepted for torch compatibility; no effect.
+      fused: default None (off). True runs each float32/float64 parameter's update as one
+        pass of a C++ kernel on the CPU (one call per dtype, ``functorch_optim._fused``),
+        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
+        Not differentiable (torch's ``fused`` is not either).
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
@@ -119,7 +123,7 @@ def adagrad(
         {weight_decay}``, ``Invalid initial_accumulator_value value: {value}``,
         ``Invalid epsilon value: {eps}`` (torch's texts).
       RuntimeError: torch's texts when ``fused=True`` comes with
-        ``differentiable=True`` or ``foreach=True``.
+        ``differentiable=True`` or ``foreach=True``; no C++ compiler for ``fused=True``.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -150,4 +154,6 @@ def adagrad(
     tx = make_optimizer(ADAGRAD_ALGORITHM, hparams, static)
     # torch's constructor checks these after the values, in this order
     check_fused_flags(fused, differentiable, foreach)
+    if fused:
+        tx = make_optimizer(fused_algorithm(ADAGRAD_ALGORITHM, adagrad_kernel), hparams, static)
     return tx

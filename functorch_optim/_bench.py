@@ -3,15 +3,16 @@
 ``python -m functorch_optim bench`` (or ``python benchmarks/bench.py``) times, in one run
 and interleaved round-robin so that machine load hits every contender alike:
 
-* **steps**: SGD (momentum 0.9, weight decay 1e-4) and Adam, float32, at 1M / 10M / 50M
+* **steps**: SGD (momentum 0.9, weight decay 1e-4), Adam and Adagrad, float32, at 1M / 10M / 50M
   parameters in 1 and 200 leaves and at 100 leaves x 1k; functorch_optim
   (``jax.jit(fo.step)``, params and state donated), optax (jit, donated), torch
   ``foreach=True`` and ``fused=True``; each row also times the in-place bandwidth
   ceiling ``a += s * b`` (JAX, donated, and torch ``add_``) on the same number of
   elements, and reports GB/s and the fraction of that ceiling;
 * **accumulate**: a ``grad_accumulate`` micro-step next to a bare jitted ``acc + g``,
-  ``optax.MultiSteps`` and torch's ``grad.add_``, and the window's optimizer step next to
-  a plain step;
+  ``optax.MultiSteps`` and torch's ``grad.add_``, and the call that closes a window next
+  to a plain step, in three layouts (the tree with the plain rule, the tree and the flat
+  layout with ``fused=True``);
 * **peak memory** of each jitted step, from XLA's buffer assignment
   (arguments + outputs - aliased + temporaries), in units of the parameters' size;
 * **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves.
@@ -46,12 +47,14 @@ import optax
 
 import functorch_optim as fo
 
-SECTIONS = ("sgd", "adam", "accumulate", "compile")
+SECTIONS = ("sgd", "adam", "adagrad", "accumulate", "compile")
 LR, MOMENTUM, WEIGHT_DECAY = 1e-3, 0.9, 1e-4
 ADAM_LR = 1e-3
+ADAGRAD_LR = 1e-2
 #: bytes moved per float32 parameter: read p, g, buf / write p, buf (SGD); read p, g, m, v /
-#: write p, m, v (Adam); read acc, g / write acc (micro-step); read a, b / write a (ceiling).
-BYTES_PER_PARAM = {"sgd": 20, "adam": 28, "micro": 12, "ceiling": 12}
+#: write p, m, v (Adam); read p, g, sum / write p, sum (Adagrad); read acc, g / write acc
+#: (micro-step); read a, b / write a (ceiling).
+BYTES_PER_PARAM = {"sgd": 20, "adam": 28, "adagrad": 20, "micro": 12, "ceiling": 12}
 FULL_CASES = (
     (1_000_000, 1),
     (1_000_000, 200),
@@ -222,6 +225,24 @@ def fo_adam(fused: bool = False) -> Any:
     return fo.adam(lr=ADAM_LR, fused=fused)
 
 
+def fo_adagrad(fused: bool = False) -> Any:
+    return fo.adagrad(lr=ADAGRAD_LR, fused=fused)
+
+
+def optax_adagrad() -> optax.GradientTransformation:
+    # eps inside the square root (torch: outside): the same memory traffic
+    return optax.adagrad(ADAGRAD_LR, initial_accumulator_value=0.0, eps=1e-10)
+
+
+#: The step sections: functorch_optim's optimizer (takes ``fused``), optax's closest
+#: construction, and torch's class with its arguments.
+STEP_KINDS: dict[str, tuple[Callable[..., Any], Callable[[], Any], str, dict[str, float]]] = {
+    "sgd": (fo_sgd, optax_sgd, "SGD", {"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY}),
+    "adam": (fo_adam, lambda: optax.adam(ADAM_LR), "Adam", {"lr": ADAM_LR}),
+    "adagrad": (fo_adagrad, optax_adagrad, "Adagrad", {"lr": ADAGRAD_LR}),
+}
+
+
 def jax_contender(
     name: str, fn: Callable, tx_init: Callable, np_leaves, grads, nbytes: int, kind: str, pack=jax_tree
 ):
@@ -263,10 +284,8 @@ def torch_contenders(kind: str, np_leaves, np_grads, torch: TorchSide | None) ->
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         flags = {"foreach": True} if flavour == "foreach" else {"fused": True}
-        if kind == "sgd":
-            opt = torch.torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **flags)
-        else:
-            opt = torch.torch.optim.Adam(params, lr=ADAM_LR, **flags)
+        _, _, name, kwargs = STEP_KINDS[kind]
+        opt = getattr(torch.torch.optim, name)(params, **kwargs, **flags)
         out.append(
             Contender(f"torch {flavour}", torch.timed(opt.step), bytes_per_param=BYTES_PER_PARAM[kind])
         )
@@ -351,8 +370,8 @@ def bench_steps(
         grads = jax_tree(np_grads)
         nbytes = 4 * n_params
         contenders = ceiling_contenders(n_params, torch)
-        make = fo_sgd if kind == "sgd" else fo_adam
-        fo_tx, opt_tx = make(), optax_sgd() if kind == "sgd" else optax.adam(ADAM_LR)
+        make, make_optax, _, _ = STEP_KINDS[kind]
+        fo_tx, opt_tx = make(), make_optax()
         fused_tx = make(fused=True)
         for name, tx in (("functorch_optim", fo_tx), ("fo fused", fused_tx)):
             contenders.append(jax_contender(name, fo_step_fn(tx), tx.init, np_leaves, grads, nbytes, kind))
@@ -718,7 +737,7 @@ def _size(n: int) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = []
-    steps = [r for k in ("sgd", "adam") for r in result.get(k, [])]
+    steps = [r for k in STEP_KINDS for r in result.get(k, [])]
     if steps:
         lines += [
             "### Optimizer step, float32 (median ms; % of the in-place ceiling measured in the same row)",
@@ -822,7 +841,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r for k in ("sgd", "adam") for r in result.get(k, [])]
+    steps = [r for k in STEP_KINDS for r in result.get(k, [])]
     panels = [p for p in ("steps", "accumulate", "compile") if (steps if p == "steps" else result.get(p))]
     if not panels:
         return
@@ -915,7 +934,7 @@ def run(
             "command": " ".join(["python -m functorch_optim bench", *_cli_args()]),
         }
     }
-    for kind in ("sgd", "adam"):
+    for kind in STEP_KINDS:
         if kind in sections:
             result[kind] = bench_steps(kind, cases, reps, log, settle)
     if "accumulate" in sections:

@@ -1,4 +1,4 @@
-"""``fused=True``: one-pass CPU kernels for SGD, Adam and AdamW through XLA's FFI.
+"""``fused=True``: one-pass CPU kernels for SGD, Adam, AdamW and Adagrad through XLA's FFI.
 
 XLA's CPU backend cannot fuse a step that writes two arrays into one loop, so a jitted
 SGD step reads its inputs twice and Adam's more often (``ANCHORS.md``: ~65 % of the
@@ -37,7 +37,7 @@ from functorch_optim._base import Algorithm, rule_step
 from functorch_optim._torch_ops import caster, step_as_float
 
 SOURCE = Path(__file__).with_name("_fused_kernels.cc")
-_TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam"}
+_TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam", "fo_adagrad": "FoAdagrad"}
 _FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Parameters per kernel call: XLA's compile time grows faster than linearly in the
@@ -355,4 +355,29 @@ def adam_kernel(
         maximize=static["maximize"],
         decoupled=static["decoupled_weight_decay"],
         amsgrad=static["amsgrad"],
+    )
+
+
+def adagrad_kernel(
+    leaves: list[Leaf],
+    hp: Mapping[str, Any],
+    static: Mapping[str, Any],
+    one: jax.Array,
+    window: Window | None = None,
+) -> list:
+    """Adagrad's rule (``_adagrad._step_leaf``) for every parameter of one dtype; the
+    decayed rate ``lr / (1 + (step - 1) * lr_decay)`` from each parameter's own step, in
+    the hyperparameters' dtype, as the rule computes it."""
+    lr = hp["lr"]
+    t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]) + one, hp)
+    clr = lr / (1 + (t - 1) * hp["lr_decay"])
+    wd = hp["weight_decay"]
+    return _call(
+        "fo_adagrad",
+        leaves,
+        ["sum"],
+        [-clr, wd, hp["eps"]],
+        [jnp.stack([leaf[4] for leaf in leaves]), wd != 0],
+        window,
+        maximize=static["maximize"],
     )

@@ -1,4 +1,4 @@
-// One-pass CPU kernels for ``fused=True`` (SGD, Adam, AdamW), called through XLA's FFI.
+// One-pass CPU kernels for ``fused=True`` (SGD, Adam, AdamW, Adagrad), called through XLA's FFI.
 //
 // XLA's CPU backend has no multi-output fusion: a jitted SGD step is two loops over memory
 // (buffer, then parameter) and Adam more, so each input is read more than once. These
@@ -6,7 +6,7 @@
 // the inputs), split over XLA's intra-op thread pool.
 //
 // Numerics: each element goes through exactly the operations of the jitted rule
-// (functorch_optim/_sgd.py, _adam.py) in the same order and dtype. XLA's CPU code
+// (functorch_optim/_sgd.py, _adam.py, _adagrad.py) in the same order and dtype. XLA's CPU code
 // generator contracts a multiply feeding an add into one fused multiply-add, so the same
 // places use ``std::fma`` here; the file is compiled with ``-ffp-contract=off`` so that no
 // other contraction happens. Scalars (learning rate, bias corrections, flags) are
@@ -176,6 +176,22 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
     const T update = (c.neg_ss * nm) / denom;
     // decoupled decay: XLA contracts ``param * (1 - lr * wd) + update``
     p[i] = kDecay ? std::fma(pi, c.decay, update) : pi + update;
+  }
+}
+
+// ------------------------------------------------------------------------------ Adagrad
+// scalars: [-clr = -lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
+// flags:   [active, weight_decay != 0]
+template <typename T, bool kWd, bool kWindow, bool kHasG, bool kMean>
+void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
+                 T* __restrict acc, T neg_clr, T wd, T eps, T sign, T inv_every) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const T pi = p[i];
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, inv_every) * sign;
+    if (kWd) gi = std::fma(wd, pi, gi);
+    const T ns = std::fma(gi, gi, sum[i]);
+    sum[i] = ns;
+    p[i] = pi + (neg_clr * gi) / (std::sqrt(ns) + eps);
   }
 }
 
@@ -352,6 +368,24 @@ void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool dec
   ForEachItem(pool, x, step, WindowWork(x, n_scalars));
 }
 
+template <typename T>
+void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
+  const int64_t n_scalars = 3 + (x.window ? 1 : 0);
+  auto step = [&](int64_t i, int64_t lo, int64_t hi) {
+    const T* s = x.scalars + n_scalars * i;  // -clr, weight_decay, eps
+    const int32_t* f = x.flags + x.n_flags * i;  // active, weight_decay != 0
+    WithWindow(x, i, n_scalars, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+      WithFlags(
+          [&](auto kWd) {
+            AdagradLoop<T, kWd, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.acc(i),
+                                                       s[0], s[1], s[2], maximize ? T(-1) : T(1), inv_every);
+          },
+          bool(f[1]));
+    });
+  };
+  ForEachItem(pool, x, step, WindowWork(x, n_scalars));
+}
+
 // Runs step(leaves) with T the operands' C++ type.
 template <typename Step>
 ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
@@ -383,6 +417,12 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remainin
                   [&](const auto& leaves) { AdamStep(pool, leaves, maximize, decoupled); });
 }
 
+ffi::Error AdagradImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
+                       bool window, bool maximize) {
+  return Dispatch("fused Adagrad", args, rets, count, 1, 3, 2, window,
+                  [&](const auto& leaves) { AdagradStep(pool, leaves, maximize); });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FoSgd, SgdImpl,
@@ -406,3 +446,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdam, AdamImpl,
                                   .Attr<bool>("maximize")
                                   .Attr<bool>("decoupled")
                                   .Attr<bool>("amsgrad"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdagrad, AdagradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("count")
+                                  .Attr<bool>("window")
+                                  .Attr<bool>("maximize"));

@@ -48,7 +48,7 @@ def result(tmp_path_factory):
 
 def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
     data = result["json"]
-    for kind in ("sgd", "adam"):
+    for kind in ("sgd", "adam", "adagrad"):
         rows = data[kind]
         assert [(r["params"], r["leaves"]) for r in rows] == [(20_000, 1), (20_000, 4)]
         expected = {"optax", "torch foreach", "torch fused", "ceiling jax", "ceiling torch"}
@@ -62,8 +62,9 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
             assert all(_finite_positive(v) for v in row["gbps"].values())
             assert _finite_positive(row["ceiling_gbps"])
             assert row["ceiling_gbps"] == max(row["gbps"]["ceiling jax"], row["gbps"]["ceiling torch"])
-            # peak memory of a donated step: params + grads + state (SGD momentum: 3, Adam: 4)
-            floor = 3.0 if kind == "sgd" else 4.0
+            # peak memory of a donated step: params + grads + state (SGD momentum, Adagrad
+            # sum: 3; Adam: 4)
+            floor = 4.0 if kind == "adam" else 3.0
             assert floor <= row["memory_x_params"]["optax"] < floor + 0.1
             for name in ("functorch_optim", "fo fused"):
                 assert floor <= row["memory_x_params"][name] < floor + 0.1, name
@@ -123,7 +124,8 @@ def test_compile_rows_and_outputs(result):
         assert all(_finite_positive(v) for v in row["seconds"].values())
     assert result["png"][:8] == b"\x89PNG\r\n\x1a\n"
     md = result["md"]
-    assert "| sgd | 20k | 1 |" in md and "| adam | 20k | 4 |" in md and "### Compile time" in md
+    assert "| sgd | 20k | 1 |" in md and "| adam | 20k | 4 |" in md and "| adagrad | 20k | 4 |" in md
+    assert "### Compile time" in md
     assert result["json"]["meta"]["reps"] == 2
 
 

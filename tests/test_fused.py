@@ -28,10 +28,17 @@ ADAM = [
         (1e-3, 0.1), (0.9, 0.3), (0, 1e-2), (False, True), (False, True)
     )
 ][::3]
+ADAGRAD = [
+    dict(lr=lr, lr_decay=d, weight_decay=w, eps=e, maximize=mx, initial_accumulator_value=v)
+    for lr, d, w, e, mx, v in itertools.product(
+        (0.1, 1e-2), (0, 0.05), (0, 1e-2), (1e-10, 1e-3), (False, True), (0, 0.1)
+    )
+][::7]
 CASES = (
     [(f"sgd-{i}", fo.sgd, c) for i, c in enumerate(SGD)]
     + [(f"adam-{i}", fo.adam, c) for i, c in enumerate(ADAM)]
     + [(f"adamw-{i}", fo.adamw, c) for i, c in enumerate(ADAM)]
+    + [(f"adagrad-{i}", fo.adagrad, c) for i, c in enumerate(ADAGRAD)]
 )
 
 
@@ -100,8 +107,12 @@ def test_fused_under_grad_accumulate_equals_unfused():
 
 @pytest.mark.parametrize(
     "tx",
-    [fo.sgd(lr=0.1, momentum=0.9, fused=True), fo.adam(lr=0.1, amsgrad=True, fused=True)],
-    ids=["sgd", "adam-amsgrad"],
+    [
+        fo.sgd(lr=0.1, momentum=0.9, fused=True),
+        fo.adam(lr=0.1, amsgrad=True, fused=True),
+        fo.adagrad(lr=0.1, lr_decay=0.01, weight_decay=1e-2, fused=True),
+    ],
+    ids=["sgd", "adam-amsgrad", "adagrad"],
 )
 def test_compiled_step_is_one_in_place_kernel_call(tx):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
@@ -121,8 +132,9 @@ def test_compiled_step_is_one_in_place_kernel_call(tx):
     [
         lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
         lambda: fo.adam(lr=0.1, fused=True),
+        lambda: fo.adagrad(lr=0.1, lr_decay=0.01, fused=True),
     ],
-    ids=["sgd", "adam"],
+    ids=["sgd", "adam", "adagrad"],
 )
 def test_kernels_besides_the_call_do_not_grow_with_the_parameters(make):
     # the call advances the step counters itself: the scalar work around it (bias
@@ -153,7 +165,9 @@ def test_changing_hyperparameters_does_not_recompile():
     assert not np.array_equal(np.asarray(p1["w"]), np.asarray(p2["w"]))
 
 
-@pytest.mark.parametrize("factory", [fo.sgd, fo.adam, fo.adamw], ids=["sgd", "adam", "adamw"])
+@pytest.mark.parametrize(
+    "factory", [fo.sgd, fo.adam, fo.adamw, fo.adagrad], ids=["sgd", "adam", "adamw", "adagrad"]
+)
 def test_torch_flag_checks(factory):
     with pytest.raises(RuntimeError, match=r"^`fused` does not support `differentiable`$"):
         factory(lr=0.1, fused=True, differentiable=True)
@@ -274,8 +288,9 @@ def test_window_calls_are_bit_identical_to_the_jitted_path(name, factory, config
     [
         lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
         lambda: fo.adam(lr=0.1, amsgrad=True, fused=True),
+        lambda: fo.adagrad(lr=0.1, weight_decay=1e-2, fused=True),
     ],
-    ids=["sgd", "adam-amsgrad"],
+    ids=["sgd", "adam-amsgrad", "adagrad"],
 )
 def test_a_window_call_is_one_in_place_kernel_call(make):
     # no loop, no conditional: the call that adds the gradient in and the call that closes

@@ -27,7 +27,7 @@ from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
 
 #: torch's implementation switches: accepted everywhere, no effect here (XLA fuses).
-#: ``fused`` is not among them: SGD, Adam and AdamW honour it (a one-pass CPU kernel), and
+#: ``fused`` is not among them: SGD, Adam, AdamW and Adagrad honour it (a one-pass CPU kernel), and
 #: changing it in ``param_groups`` rebuilds the group's transformation like any flag.
 TORCH_ONLY_FLAGS = ("foreach", "differentiable", "capturable")
 
