@@ -218,8 +218,8 @@ def grad_accumulate(
     def run(grads, state, params, carry, step, mask, fused=None):
         """Add the gradient in; on the window's closing call, ``step`` on the mean.
         ``mask``: the call's ``grad_mask``, one flag per leaf, or None.
-        ``fused(carry, acc, fresh, stepping, seen, all_seen) -> (carry, acc)``: the same
-        as one kernel call, taken on the CPU."""
+        ``fused(carry, acc, fresh, stepping, seen, all_seen, mask) -> (carry, acc)``: the
+        same as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
         seen, all_seen = flags(grads, state, fresh, mask)
