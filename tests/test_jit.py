@@ -94,7 +94,7 @@ def test_compiled_step_aliases_params_state_and_accumulator(name):
     known = KNOWN_TEMPORARIES.get(name.split("-")[0])
     if extra >= smallest / 2 and known is not None:
         assert extra < known * param_bytes + smallest / 2, (name, extra / param_bytes)
-        pytest.xfail(f"{name}: {extra} bytes of temporaries (known, issue 7)")
+        pytest.xfail(f"{name}: {extra} bytes of temporaries (known and bounded, see KNOWN_TEMPORARIES)")
     # below half the smallest parameter: scalars and small per-step values only
     assert extra < smallest / 2, (name, extra, ma.temp_size_in_bytes)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
