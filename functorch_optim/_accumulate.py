@@ -167,15 +167,18 @@ def grad_accumulate(
             inner_state=tx.init(params),
         )
 
-    def flags(grads, state, fresh, mask):
-        # which parameters have a gradient in this call: static (None leaves), or with a
-        # grad_mask one operation for all
+    def present_of(grads, mask):
+        # which parameters have a gradient in this call, one bool per leaf: static (None
+        # leaves), with a grad_mask one operation for all; None when every one has
         present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
-        if mask is None and all(present):
+        if mask is None:
+            return None if all(present) else jnp.asarray(present, bool)
+        return jnp.asarray(present, bool) & jnp.stack([jnp.asarray(m, bool) for m in mask])
+
+    def flags(state, fresh, present):
+        # which parameters have a gradient in the window so far, and whether all have
+        if present is None:
             return jnp.ones(state.has_grad.shape, bool), True
-        present = jnp.asarray(present, bool)
-        if mask is not None:
-            present = present & jnp.stack([jnp.asarray(m, bool) for m in mask])
         return jnp.where(fresh, present, state.has_grad | present), False
 
     def add_in(grads, acc, fresh, mask):
@@ -218,11 +221,12 @@ def grad_accumulate(
     def run(grads, state, params, carry, step, mask, fused=None):
         """Add the gradient in; on the window's closing call, ``step`` on the mean.
         ``mask``: the call's ``grad_mask``, one flag per leaf, or None.
-        ``fused(carry, acc, fresh, stepping, seen, all_seen, mask) -> (carry, acc)``: the
-        same as one kernel call, taken on the CPU."""
+        ``fused(carry, acc, fresh, stepping, seen, all_seen, present) -> (carry, acc)``:
+        the same as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
-        seen, all_seen = flags(grads, state, fresh, mask)
+        present = present_of(grads, mask)
+        seen, all_seen = flags(state, fresh, present)
 
         def jitted(carry, acc):
             acc = add_in(grads, acc, fresh, mask)
@@ -251,7 +255,7 @@ def grad_accumulate(
             carry, acc = jax.lax.platform_dependent(
                 carry,
                 state.acc_grads,
-                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen, mask),
+                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen, present),
                 default=jitted,
             )
         else:
@@ -266,13 +270,13 @@ def grad_accumulate(
             return None
         treedef = jax.tree.structure(params)
 
-        def fused(carry, acc, fresh, stepping, seen, all_seen, mask):
+        def fused(carry, acc, fresh, stepping, seen, all_seen, present):
             params, inner = carry
             active = treedef.unflatten(
                 [stepping if all_seen else stepping & seen[i] for i in range(treedef.num_leaves)]
             )
-            window = Window(None, fresh, stepping, every if reduction == "mean" else None, mask)
-            params, acc, inner = window_step(params, grads, acc, inner, window, active)
+            window = Window(acc, fresh, stepping, every if reduction == "mean" else None, present)
+            params, acc, inner = window_step(params, grads, inner, window, active)
             return (params, inner), acc
 
         return fused

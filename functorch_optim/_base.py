@@ -246,7 +246,7 @@ def make_optimizer(
         hparams, count = advance(state, hp)
         return rebuild(treedef, list(state.buffers), [p for p, _ in new], [b for _, b in new], hparams, count)
 
-    def window_step(params, grads, acc, state, window, active):
+    def window_step(params, grads, state, window, active):
         """``grad_accumulate``'s call through ``algorithm.fused_window``: ``window`` a
         ``_fused.Window`` (its ``accs`` a tree like ``params``), ``active`` a tree of
         flags like ``params``, each "has a gradient in the window and the call steps".
@@ -254,10 +254,8 @@ def make_optimizer(
         counters and schedules keep their bits."""
         treedef, leaves, _ = unpack(params, grads, state, active)
         hp = dict(state.hparams)
-        accs = treedef.flatten_up_to(acc)
-        outs = algorithm.fused_window(
-            leaves, window._replace(accs=accs), prepared(hp), static, _runtime_one(state.count)
-        )
+        window = window._replace(accs=treedef.flatten_up_to(window.accs))
+        outs = algorithm.fused_window(leaves, window, prepared(hp), static, _runtime_one(state.count))
         hparams, count = advance(state, hp, window.stepping)
         new_params, new_state = rebuild(
             treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count

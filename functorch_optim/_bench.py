@@ -420,9 +420,9 @@ def bench_steps(
 #: grad_accumulate's layouts: (name in the targets, contender prefix, its bare ``acc + g``,
 #: packer, fused=True). The tree with fused=True shares the tree's bare ``acc + g``.
 ACCUMULATE_LAYOUTS = (
-    ("tree", "fo", "bare acc+g", "jax_tree", False),
-    ("tree, fused=True", "fo fused", "bare acc+g", "jax_tree", True),
-    ("flat, fused=True", "fo flat", "bare flat acc+g", "flat_tree", True),
+    ("tree", "fo", "bare acc+g", jax_tree, False),
+    ("tree, fused=True", "fo fused", "bare acc+g", jax_tree, True),
+    ("flat, fused=True", "fo flat", "bare flat acc+g", flat_tree, True),
 )
 
 
@@ -441,7 +441,7 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
             contenders += accumulate_contenders(
                 prefix,
                 bare if bare not in bares else None,
-                globals()[pack],
+                pack,
                 np_leaves,
                 np_grads,
                 fo_sgd(fused=fused),

@@ -114,20 +114,22 @@ class Window(NamedTuple):
     window's mean (sum) and writes it to the accumulator, in the same pass.
 
     Attributes:
-      accs: the accumulator of each parameter of the call (the parameter's dtype).
+      accs: the accumulator: a tree like the params (``grad_accumulate``), a list over
+        the parameters of the call (the kernels; the parameter's dtype).
       fresh: whether this call opens a window (it overwrites the sum), a bool scalar.
       stepping: whether it closes one (the optimizer steps), a bool scalar; never
         together with ``fresh`` (a window has at least two calls).
       every: the window's length, with ``reduction="mean"``; ``None`` for the sum.
-      grad_mask: the call's ``grad_mask`` flag of each parameter (off: no gradient in
-        this call), or ``None``.
+      present: whether each parameter has a gradient in this call (``grad_mask``
+        applied), a bool vector over the same parameters as ``accs``; ``None``: those
+        whose gradient is not ``None``.
     """
 
-    accs: list[jax.Array]
+    accs: Any
     fresh: jax.Array
     stepping: jax.Array
     every: int | None
-    grad_mask: list[Any] | None = None
+    present: jax.Array | None = None
 
 
 def _call(
@@ -152,11 +154,10 @@ def _call(
         grads = [leaf[1].astype(dtype) for leaf in leaves]
     else:
         # a parameter without a gradient in this call gets a one-element stand-in
-        present = [leaf[1] is not None for leaf in leaves]
-        grads = [leaf[1].astype(dtype) if h else jnp.zeros((1,), dtype) for leaf, h in zip(leaves, present)]
-        has_grad = np.asarray(present)
-        if window.grad_mask is not None:
-            has_grad = has_grad & jnp.stack([jnp.asarray(m, bool) for m in window.grad_mask])
+        grads = [jnp.zeros((1,), dtype) if leaf[1] is None else leaf[1].astype(dtype) for leaf in leaves]
+        has_grad = window.present
+        if has_grad is None:
+            has_grad = np.asarray([leaf[1] is not None for leaf in leaves])
         buffers += window.accs
         # grad_accumulate's ``sum / every``, as XLA computes it: times the reciprocal
         inv_every = np.reciprocal(np.asarray(window.every or 1, dtype))
@@ -279,8 +280,8 @@ def _fused_window(kernel: Callable[..., list]) -> Callable[..., list]:
                 out[i] = (param, {"step": jnp.where(active, step + one, step), **buffers}, window.accs[i])
         for indices in _batches(leaves):
             group = [leaves[i] for i in indices]
-            pick = lambda xs, indices=indices: None if xs is None else [xs[i] for i in indices]
-            part = window._replace(accs=pick(window.accs), grad_mask=pick(window.grad_mask))
+            present = None if window.present is None else window.present[np.asarray(indices)]
+            part = window._replace(accs=[window.accs[i] for i in indices], present=present)
             for i, result in zip(indices, kernel(group, hparams_of(group[0][0].dtype), static, one, part)):
                 out[i] = result
         return out

@@ -206,7 +206,7 @@ void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g,
 // have a one-element stand-in for it.
 template <typename T>
 struct Leaves {
-  int64_t count = 0, buffers = 0, n_flags = 0;
+  int64_t count = 0, buffers = 0, n_scalars = 0, n_flags = 0;
   bool window = false;
   std::vector<int64_t> size;
   std::vector<T*> param;
@@ -217,8 +217,12 @@ struct Leaves {
   const int32_t* flags = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
   T* acc(int64_t i) const { return window ? buffer[buffers * count + i] : nullptr; }
-  // the window's flags of parameter i: [has a gradient, fresh, stepping]
-  const int32_t* window_flags(int64_t i) const { return flags + (i + 1) * n_flags - 3; }
+  // parameter i's scalars and flags (flag 0: "takes this step")
+  const T* scalar_row(int64_t i) const { return scalars + i * n_scalars; }
+  const int32_t* flag_row(int64_t i) const { return flags + i * n_flags; }
+  // the window's flags of parameter i: [has a gradient, fresh, stepping]; its 1 / every
+  const int32_t* window_flags(int64_t i) const { return flag_row(i + 1) - 3; }
+  T inv_every(int64_t i) const { return window ? scalar_row(i + 1)[-1] : T(1); }
 };
 
 template <typename T>
@@ -244,6 +248,7 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   out.flags = static_cast<const int32_t*>(flags.untyped_data());
   out.count = count;
   out.buffers = buffers;
+  out.n_scalars = n_scalars;
   out.n_flags = n_flags;
   out.window = window;
   for (int64_t j = 0; j < (2 + kinds) * count; ++j) {
@@ -272,12 +277,25 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   return ffi::Error::Success();
 }
 
+// An inactive leaf's share of a window call: the gradient added in, or on the closing
+// call the window's mean written over the sum (the step itself is skipped).
+template <typename T>
+void WindowWork(const Leaves<T>& x, int64_t i, int64_t lo, int64_t hi) {
+  const int32_t* w = x.window_flags(i);  // has a gradient, fresh, stepping
+  if (!w[2]) return AddLoop(lo, hi, x.acc(i), x.grad[i], bool(w[1]));
+  const T inv_every = x.inv_every(i);
+  WithFlags(
+      [&](auto kHasG, auto kMean) {
+        for (int64_t e = lo; e < hi; ++e) StepGrad<T, true, kHasG, kMean>(e, x.grad[i], x.acc(i), inv_every);
+      },
+      x.grad[i] != nullptr, inv_every != T(1));
+}
+
 // Runs step(leaf, lo, hi) over the elements of every active leaf, in items of kGrain, and
 // advances the active leaves' step counters. In a window call every leaf has work (the
-// accumulator moves on every call): an active leaf steps, the others run window(leaf,
-// lo, hi), which adds the gradient in (or, on the closing call, writes the mean).
-template <typename T, typename Step, typename Window>
-void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step, Window window) {
+// accumulator moves on every call): an active leaf steps, the others run WindowWork.
+template <typename T, typename Step>
+void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
   struct Item {
     int64_t leaf, lo, hi;
     bool active;
@@ -285,7 +303,7 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step, Wind
   std::vector<Item> items;
   for (int64_t i = 0; i < leaves.count; ++i) {
     // grad_mask: outputs alias inputs, unchanged
-    const bool active = leaves.flags[i * leaves.n_flags] != 0;
+    const bool active = leaves.flag_row(i)[0] != 0;
     if (active) ++*leaves.step[i];
     if (!active && !leaves.window) continue;
     for (int64_t lo = 0; lo < leaves.size[i]; lo += kGrain) {
@@ -297,43 +315,27 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step, Wind
     if (it.active) {
       step(it.leaf, it.lo, it.hi);
     } else {
-      window(it.leaf, it.lo, it.hi);
+      WindowWork(leaves, it.leaf, it.lo, it.hi);
     }
   });
 }
 
-// An inactive leaf's share of a window call: the gradient added in, or on the closing
-// call the window's mean written over the sum (the step itself is skipped).
-template <typename T>
-auto WindowWork(const Leaves<T>& x, int64_t n_scalars) {
-  return [&x, n_scalars](int64_t i, int64_t lo, int64_t hi) {
-    const int32_t* w = x.window_flags(i);  // has a gradient, fresh, stepping
-    if (!w[2]) return AddLoop(lo, hi, x.acc(i), x.grad[i], bool(w[1]));
-    const T inv_every = x.scalars[(i + 1) * n_scalars - 1];
-    WithFlags(
-        [&](auto kHasG, auto kMean) {
-          for (int64_t e = lo; e < hi; ++e) StepGrad<T, true, kHasG, kMean>(e, x.grad[i], x.acc(i), inv_every);
-        },
-        x.grad[i] != nullptr, inv_every != T(1));
-  };
-}
-
-// The window template flags of leaf i: (window, this call has a gradient, mean).
+// The window template flags of leaf i, (window, this call has a gradient, mean), and its
+// 1 / every, for f(inv_every, flags...).
 template <typename T, typename F>
-void WithWindow(const Leaves<T>& x, int64_t i, int64_t n_scalars, F&& f) {
+void WithWindow(const Leaves<T>& x, int64_t i, F&& f) {
   const bool window = x.window;
-  const T inv_every = window ? x.scalars[(i + 1) * n_scalars - 1] : T(1);
+  const T inv_every = x.inv_every(i);
   WithFlags([&](auto... c) { f(inv_every, c...); }, window, window && x.grad[i] != nullptr,
             window && inv_every != T(1));
 }
 
 template <typename T>
 void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maximize) {
-  const int64_t n_scalars = 4 + (x.window ? 1 : 0);
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
-    const T* s = x.scalars + n_scalars * i;  // -lr, momentum, 1 - dampening, weight_decay
-    const int32_t* f = x.flags + x.n_flags * i;  // active, weight_decay != 0, step == 1, momentum != 0
-    WithWindow(x, i, n_scalars, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+    const T* s = x.scalar_row(i);  // -lr, momentum, 1 - dampening, weight_decay
+    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, step == 1, momentum != 0
+    WithWindow(x, i, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kWd, auto kUse) {
             SgdLoop<T, kWd, kUse, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i),
@@ -344,18 +346,17 @@ void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maxi
           bool(f[1]), x.buffers > 0 && f[3]);
     });
   };
-  ForEachItem(pool, x, step, WindowWork(x, n_scalars));
+  ForEachItem(pool, x, step);
 }
 
 template <typename T>
 void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool decoupled) {
-  const int64_t n_scalars = 9 + (x.window ? 1 : 0);
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
-    const T* s = x.scalars + n_scalars * i;
-    const int32_t* f = x.flags + x.n_flags * i;  // active, weight_decay != 0, |w| < 0.5
+    const T* s = x.scalar_row(i);
+    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, |w| < 0.5
     const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
                            maximize ? T(-1) : T(1), bool(f[2])};
-    WithWindow(x, i, n_scalars, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kDecay, auto kCoupled, auto kAms) {
             AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean>(
@@ -365,16 +366,15 @@ void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool dec
           decoupled && f[1], !decoupled && f[1], x.buffers == 3);
     });
   };
-  ForEachItem(pool, x, step, WindowWork(x, n_scalars));
+  ForEachItem(pool, x, step);
 }
 
 template <typename T>
 void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
-  const int64_t n_scalars = 3 + (x.window ? 1 : 0);
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
-    const T* s = x.scalars + n_scalars * i;  // -clr, weight_decay, eps
-    const int32_t* f = x.flags + x.n_flags * i;  // active, weight_decay != 0
-    WithWindow(x, i, n_scalars, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+    const T* s = x.scalar_row(i);  // -clr, weight_decay, eps
+    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0
+    WithWindow(x, i, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kWd) {
             AdagradLoop<T, kWd, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.acc(i),
@@ -383,7 +383,7 @@ void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
           bool(f[1]));
     });
   };
-  ForEachItem(pool, x, step, WindowWork(x, n_scalars));
+  ForEachItem(pool, x, step);
 }
 
 // Runs step(leaves) with T the operands' C++ type.
