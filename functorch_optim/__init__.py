@@ -32,7 +32,8 @@ from functorch_optim._clip import (
     get_total_norm,
 )
 from functorch_optim._flat import ravel_by_dtype
-from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._groups import param_groups
+from functorch_optim._hyperparams import HParams, ParamGroupsState, get_hparams, set_hparams
 from functorch_optim._jit import jit_step
 from functorch_optim._nadam import nadam
 from functorch_optim._nonfinite import SkipNonfiniteState, all_finite, skip_nonfinite
@@ -61,6 +62,7 @@ __all__ = [
     "HParams",
     "LBFGSState",
     "LossScaleState",
+    "ParamGroupsState",
     "SkipNonfiniteState",
     "TorchAssertionError",
     "TorchState",
@@ -93,6 +95,7 @@ __all__ = [
     "muon",
     "nadam",
     "optim",
+    "param_groups",
     "radam",
     "ravel_by_dtype",
     "rmsprop",

@@ -158,7 +158,7 @@ def grad_accumulate(
     extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def init(params: PyTree) -> GradAccumulateState:
-        check_params(params)
+        check_params(params, allow_empty=True)
         return GradAccumulateState(
             mini_step=jnp.zeros((), jnp.int32),
             gradient_step=jnp.zeros((), jnp.int32),
@@ -167,10 +167,10 @@ def grad_accumulate(
             inner_state=tx.init(params),
         )
 
-    def present_of(grads, mask):
+    def present_of(params, grads, mask):
         # which parameters have a gradient in this call, one bool per leaf: static (None
         # leaves), with a grad_mask one operation for all; None when every one has
-        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
+        present = [g is not None for g in jax.tree.structure(params).flatten_up_to(grads)]
         if mask is None:
             return None if all(present) else jnp.asarray(present, bool)
         return jnp.asarray(present, bool) & jnp.stack([jnp.asarray(m, bool) for m in mask])
@@ -225,7 +225,7 @@ def grad_accumulate(
         the same as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
-        present = present_of(grads, mask)
+        present = present_of(params, grads, mask)
         seen, all_seen = flags(state, fresh, present)
 
         def jitted(carry, acc):
@@ -300,7 +300,10 @@ def grad_accumulate(
             else:
                 updates, inner = tx.update(mean, inner, params)
             updates = jax.tree.map(
-                lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
+                lambda u, p: u if u is not None or p is None else jnp.zeros_like(p),
+                updates,
+                params,
+                is_leaf=is_none,
             )
             return updates, inner
 

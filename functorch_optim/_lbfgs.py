@@ -231,7 +231,10 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
     else:
         check_like_params(params, grads)
         grads = jax.tree.map(
-            lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params, is_leaf=is_none
+            lambda g, p: g if g is not None or p is None else jnp.zeros_like(p),
+            grads,
+            params,
+            is_leaf=is_none,
         )
         g0 = ravel_pytree(grads)[0].astype(x0.dtype)
         loss0 = jnp.asarray(value_fn(params) if value is None else value).astype(sdt)

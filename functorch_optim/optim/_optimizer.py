@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 
 from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState
 from functorch_optim._base import step as functional_step
+from functorch_optim._groups import path_name, select_groups
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
 
@@ -77,30 +77,6 @@ class _Layout:
         )
 
 
-def path_name(path: tuple) -> str:
-    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``.
-
-    Args:
-      path: a ``jax.tree_util`` key path (dict keys, sequence indices, attributes).
-
-    Returns:
-      The keys joined by ``"."``; the names ``group_by`` regexes are matched against.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class GroupedParams:
     """One pytree split into parameter groups; built by ``group_by``, passed as ``params``.
@@ -150,32 +126,14 @@ def group_by(params: PyTree, *groups: Mapping[str, Any]) -> GroupedParams:
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("optimizer got an empty parameter list")
-    selectors = []
     for i, spec in enumerate(groups):
         if not isinstance(spec, Mapping) or "where" not in spec:
             raise ValueError(
                 f"group_by: group {i} must be a dict with a 'where' key (a regex or a predicate "
                 f"(path, leaf) -> bool), got {spec!r}"
             )
-        where = spec["where"]
-        if isinstance(where, str):
-            pattern = re.compile(where)
-            selectors.append(lambda path, leaf, p=pattern: p.search(path_name(path)) is not None)
-        elif callable(where):
-            selectors.append(where)
-        else:
-            raise ValueError(
-                f"group_by: group {i}'s 'where' must be a regex string or a callable, got {where!r}"
-            )
-    owner = []
-    for path, leaf in leaves:
-        chosen = [i for i, sel in enumerate(selectors) if sel(path, leaf)]
-        if len(chosen) > 1:
-            raise ValueError(
-                "some parameters appear in more than one parameter group: "
-                f"{path_name(path)!r} is selected by groups {chosen}"
-            )
-        owner.append(chosen[0] if chosen else len(groups))
+    labels = [f"group {i}" for i in range(len(groups))]
+    owner = select_groups(leaves, [spec["where"] for spec in groups], labels)
     overrides = [{k: v for k, v in spec.items() if k != "where"} for spec in groups]
     for i, spec in enumerate(groups):
         if i not in owner:
@@ -218,7 +176,8 @@ _TX_CACHE: dict[tuple[Any, Any], Any] = {}
 
 def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
     """The cached transformation equivalent to ``tx`` (``tx`` itself the first time)."""
-    if any(callable(v) for v in config.values()):  # a schedule: its function is in the closure
+    # a schedule (its function) or a JAX array (an injected value) is in the closure
+    if any(callable(v) or isinstance(v, jax.Array) for v in config.values()):
         return tx
     algorithm = getattr(tx.update, ALGORITHM_ATTR)
     try:
