@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,19 +27,64 @@ from functorch_optim.schedules._core import (
 )
 from functorch_optim.schedules._plateau import _PlateauSchedule
 
+_UNTRACEABLE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def _describe(fn: Callable) -> str:
+    """``name (file:line)`` of a user's callable (a function, a ``functools.partial``, an object)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    code = getattr(target, "__code__", None) or getattr(type(target).__call__, "__code__", None)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
 
 class _LambdaLR(_Spec):
+    """torch's ``LambdaLR``: ``base_lr * lr_lambda(last_epoch)`` per group.
+
+    ``eager=False`` (the functional schedules): the lambdas are traced with the step
+    counter as an integer array of JAX's default int dtype (int64 under x64, so ``e / n``
+    is float64 as Python's ``int / int``). ``eager=True`` (the facade's classes): each step
+    runs outside jit and calls every group's lambda with a Python int, as torch does.
+    """
+
     name = "LambdaLR"
 
-    def __init__(self, lr_lambdas: list[Callable] | None, per_group: bool) -> None:
+    def __init__(self, lr_lambdas: list[Callable], per_group: bool, eager: bool = False) -> None:
         self.lr_lambdas = lr_lambdas
         self.per_group = per_group
+        self.eager = eager
+
+    def _call(self, fn: Callable, epoch: Any) -> jax.Array:
+        if self.eager:
+            return _f(fn(int(epoch)))
+        try:
+            return _f(fn(jnp.asarray(epoch, jnp.result_type(int))))
+        except _UNTRACEABLE as err:
+            raise TypeError(
+                f"{self.name}: lr_lambda {_describe(fn)} cannot be traced by JAX "
+                f"({type(err).__name__}): functorch_optim.schedules calls it inside jit with a "
+                "traced integer step, where Python's `if`, `max()`, `float()` and `int()` need a "
+                "concrete value. Write it with jax.numpy (`jnp.where(e < n, a, b)` for `if`, "
+                "`jnp.maximum` for `max`, no `float()`), or keep it as it is and use "
+                f"functorch_optim.optim.lr_scheduler.{self.name} with the facade, which calls it "
+                "with a Python int, as torch does."
+            ) from None
 
     def _factors(self, st: SState, shape: tuple) -> jax.Array:
         e = st["last_epoch"]
         if self.per_group:
-            return _f([_f(fn(e)) for fn in self.lr_lambdas]).reshape(shape)
-        return _f(self.lr_lambdas[0](e))
+            return _f([self._call(fn, e) for fn in self.lr_lambdas]).reshape(shape)
+        if self.eager and shape != ():  # torch calls the one lambda once per group
+            return _f([self._call(self.lr_lambdas[0], e) for _ in range(shape[0])])
+        return self._call(self.lr_lambdas[0], e)
+
+    def check_traceable(self, shape: tuple) -> None:
+        """Trace the lambdas once, abstractly, so an untraceable one fails at construction."""
+        jax.eval_shape(lambda e: self._factors({"last_epoch": e}, shape), jax.ShapeDtypeStruct((), jnp.int32))
 
     def get_lr(self, group, st, is_initial):
         return st["base_lrs"] * self._factors(st, jnp.shape(group["lr"])), group
@@ -59,6 +105,7 @@ class _ChainedScheduler(_Spec):
     def __init__(self, specs: list[_Spec]) -> None:
         self.specs = specs
         self.cycles_momentum = any(s.cycles_momentum for s in specs)
+        self.eager = any(s.eager for s in specs)
 
     def construct(self, group):
         states = []
@@ -84,6 +131,7 @@ class _SequentialLR(_Spec):
     def __init__(self, specs: list[_Spec], milestones: list[int]) -> None:
         self.specs, self.milestones = specs, list(milestones)
         self.cycles_momentum = any(s.cycles_momentum for s in specs)
+        self.eager = any(s.eager for s in specs)
 
     def construct(self, group):
         states = []
@@ -115,7 +163,8 @@ class _SequentialLR(_Spec):
         return {**st, "subs": tuple(spec.undo(s) for spec, s in zip(self.specs, st["subs"], strict=True))}
 
 
-def _lambdas(lr: Any, lr_lambda: Any, check_callable: bool) -> tuple[list[Callable], bool]:
+def _lambda_schedule(lr: Any, lr_lambda: Any, spec: type[_LambdaLR], eager: bool = False) -> Schedule:
+    """A LambdaLR/MultiplicativeLR schedule: torch's checks, then (traced) one abstract call."""
     n = _n_groups(lr)
     if not isinstance(lr_lambda, list | tuple):
         fns, per_group = [lr_lambda], False
@@ -123,11 +172,14 @@ def _lambdas(lr: Any, lr_lambda: Any, check_callable: bool) -> tuple[list[Callab
         if len(lr_lambda) != n:
             raise ValueError(f"Expected {n} lr_lambdas, but got {len(lr_lambda)}")
         fns, per_group = list(lr_lambda), np.ndim(lr) != 0
-    if check_callable:
+    if spec is _MultiplicativeLR:  # torch checks MultiplicativeLR's lambdas only
         for fn in fns:
             if not callable(fn):
                 raise TypeError(f"lr_lambda should be a function, but got {type(fn).__name__}")
-    return fns, per_group
+    sched = Schedule(spec(fns, per_group, eager), lr)
+    if not eager:
+        sched._spec.check_traceable(jnp.shape(sched._start_lr))
+    return sched
 
 
 def lambda_lr(lr: Any, lr_lambda: Callable | Sequence[Callable]) -> Schedule:
@@ -136,23 +188,30 @@ def lambda_lr(lr: Any, lr_lambda: Callable | Sequence[Callable]) -> Schedule:
     Args:
       lr: the optimizer's learning rate :math:`\eta_0` (torch's ``base_lrs``); a number
         or one per param group.
-      lr_lambda: ``epoch -> factor``, or one per group. It receives a traced int32
-        ``last_epoch`` and must be written with ``jax.numpy`` (``jnp.minimum``, not
-        ``min``).
+      lr_lambda: ``epoch -> factor``, or one per group. Inside jit it receives the step
+        as a traced integer array (int64 under x64, so ``e / n`` is float64 like
+        Python's) and must be written with ``jax.numpy``: ``jnp.where(e < n, a, b)``,
+        not ``a if e < n else b``; ``jnp.maximum``, not ``max``; no ``float()``. The
+        facade's ``functorch_optim.optim.lr_scheduler.LambdaLR`` calls torch-style
+        Python lambdas unchanged, with a Python int.
 
     Returns:
       A :class:`Schedule`.
 
     Raises:
       ValueError: ``Expected {n} lr_lambdas, but got {m}`` (torch's text).
+      TypeError: ``LambdaLR: lr_lambda {name} ({file}:{line}) cannot be traced by JAX
+        …``, when a lambda needs a concrete value (raised here, by one abstract call).
 
     Examples:
-      >>> import functorch_optim as fo
+      >>> import jax.numpy as jnp, functorch_optim as fo
       >>> fo.schedules.lambda_lr(0.1, lambda e: 0.5**e).values(3).round(4).tolist()
       [0.1, 0.05, 0.025, 0.0125]
+      >>> warmup = lambda e: jnp.where(e < 2, e / 2, 1.0)  # not: e / 2 if e < 2 else 1.0
+      >>> fo.schedules.lambda_lr(1.0, warmup).values(3).tolist()
+      [0.0, 0.5, 1.0, 1.0]
     """
-    fns, per_group = _lambdas(lr, lr_lambda, check_callable=False)
-    return Schedule(_LambdaLR(fns, per_group), lr)
+    return _lambda_schedule(lr, lr_lambda, _LambdaLR)
 
 
 def multiplicative_lr(lr: Any, lr_lambda: Callable | Sequence[Callable]) -> Schedule:
@@ -160,22 +219,23 @@ def multiplicative_lr(lr: Any, lr_lambda: Callable | Sequence[Callable]) -> Sche
 
     Args:
       lr: the optimizer's learning rate (or one per group).
-      lr_lambda: ``epoch -> factor`` (jax.numpy-traceable), or one per group.
+      lr_lambda: ``epoch -> factor``, or one per group, written with ``jax.numpy`` as
+        for :func:`lambda_lr` (the facade's ``MultiplicativeLR`` takes Python lambdas).
 
     Returns:
       A :class:`Schedule`.
 
     Raises:
       ValueError: ``Expected {n} lr_lambdas, but got {m}``.
-      TypeError: ``lr_lambda should be a function, but got {type}``.
+      TypeError: ``lr_lambda should be a function, but got {type}``; ``MultiplicativeLR:
+        lr_lambda {name} ({file}:{line}) cannot be traced by JAX …``.
 
     Examples:
       >>> import functorch_optim as fo
       >>> fo.schedules.multiplicative_lr(1.0, lambda e: 0.5).values(2).tolist()
       [1.0, 0.5, 0.25]
     """
-    fns, per_group = _lambdas(lr, lr_lambda, check_callable=True)
-    return Schedule(_MultiplicativeLR(fns, per_group), lr)
+    return _lambda_schedule(lr, lr_lambda, _MultiplicativeLR)
 
 
 def _check_subs(name: str, schedulers: Sequence[Any], allow_composite: bool) -> tuple[list[_Spec], Any]:

@@ -99,6 +99,7 @@ class _Spec:
 
     name = "LRScheduler"
     cycles_momentum = False
+    eager = False  # True: calls user Python code with concrete values; steps run outside jit
 
     def attach(self, group: Group) -> Group:
         """The subclass ``__init__`` part that runs before ``LRScheduler.__init__``."""
