@@ -236,6 +236,41 @@ _BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
 # ---------------------------------------------------------------------------------------
 
 
+def closure_takes_params(closure: Callable[..., Any]) -> bool:
+    """Whether a ``step(closure)`` closure is the pure ``closure(params)`` form, by its signature.
+
+    A closure that can be called without arguments is torch's ``closure() -> loss``
+    (it evaluates the model and calls ``backward`` itself); one with exactly one required
+    positional parameter is the pure ``closure(params) -> loss``.
+
+    Args:
+      closure: the closure given to ``step``.
+
+    Returns:
+      True for ``closure(params)``, False for ``closure()``.
+
+    Raises:
+      TypeError: for a closure with two or more required positional parameters, or one
+        whose signature cannot be read.
+    """
+    try:
+        sig = inspect.signature(closure)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step: cannot read the signature of closure {closure!r}; pass a function "
+            "closure() -> loss (torch's) or closure(params) -> loss"
+        ) from None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in sig.parameters.values() if p.kind in positional and p.default is p.empty]
+    if len(required) > 1:
+        raise TypeError(
+            "closure must take no argument (torch's closure() -> loss, which calls "
+            "opt.zero_grad() and opt.backward(...) itself) or one, the parameters "
+            f"(closure(params) -> loss); got one that requires {', '.join(required)}"
+        )
+    return len(required) == 1
+
+
 def _is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
@@ -595,7 +630,7 @@ class Optimizer:
         self._grads_all_none = False
         return loss
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[..., Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
         First applies changed ``param_groups`` values (validated with torch's messages;
@@ -603,15 +638,27 @@ class Optimizer:
         whose gradient is ``None`` is left untouched, state included.
 
         Args:
-          closure: optional ``() -> loss`` that re-evaluates the model (usually
-            ``zero_grad()`` then ``backward(...)``), called first, as in torch.
+          closure: optional; told apart by its signature (see ``closure_takes_params``):
+
+            * torch's ``closure() -> loss``, which re-evaluates the model itself
+              (``opt.zero_grad(); loss = opt.backward(loss_fn, x, y); return loss``),
+              called first, as in torch;
+            * a pure ``closure(params) -> loss``: the gradients become its gradient at
+              the current parameters (``zero_grad()`` then ``backward(closure)``).
 
         Returns:
           The closure's loss, or ``None`` without a closure.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
         loss = None
         if closure is not None:
-            loss = closure()
+            if closure_takes_params(closure):
+                self.zero_grad()
+                loss = self.backward(closure)
+            else:
+                loss = closure()
         self._sync_groups()
         if self._grads_all_none:
             return loss
