@@ -1158,3 +1158,52 @@ def test_lbfgs_facade_takes_torchs_zero_argument_closure(cfg, rosen):
         pure.step(loss_fn)
     assert max(rel_err(a, b) for a, b in zip(pure.params, opt.params, strict=True)) <= 1e-10
     assert int(pure.state.func_evals) == int(opt.state.func_evals)
+
+
+# ---------------------------------------------------------------------------------------
+# backward(..., has_aux=True): the loss and the forward pass's other outputs
+# ---------------------------------------------------------------------------------------
+
+
+def _rnn_loss(params, x, hidden):
+    """A loss that also returns what the next batch needs (the word LM's hidden state)."""
+    new_hidden = jnp.tanh(params["w"] * x + hidden)
+    return jnp.sum(new_hidden**2) + jnp.sum(params["b"] ** 2), {"hidden": new_hidden, "x_mean": jnp.mean(x)}
+
+
+def test_backward_has_aux_returns_loss_and_aux_and_accumulates_the_same_gradient():
+    params = {"w": jnp.array([0.5, -1.0]), "b": jnp.array([0.25])}
+    plain, with_aux = SGD(params, lr=0.1), SGD(params, lr=0.1)
+    hidden = jnp.zeros(2)
+
+    def loss_only(p, x, h):
+        return _rnn_loss(p, x, h)[0]
+
+    for x in [jnp.array([1.0, 2.0]), jnp.array([-0.5, 0.3])]:
+        plain.zero_grad()
+        expected = plain.backward(loss_only, x, hidden)
+        plain.step()
+        with_aux.zero_grad()
+        w = np.array(with_aux.params["w"])  # host copy: step() donates the params
+        loss, aux = with_aux.backward(_rnn_loss, x, hidden, has_aux=True)
+        with_aux.step()
+        assert float(loss) == float(expected)
+        np.testing.assert_array_equal(aux["hidden"], jnp.tanh(w * x + hidden))
+        assert float(aux["x_mean"]) == float(jnp.mean(x))
+        hidden = aux["hidden"]
+    for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(with_aux.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # inside torch's closure too, and on LBFGS
+    from functorch_optim.optim import LBFGS
+
+    lb = LBFGS({"w": jnp.array([0.5, -1.0]), "b": jnp.array([0.25])}, max_iter=2)
+    seen = []
+
+    def closure():
+        lb.zero_grad()
+        loss, aux = lb.backward(_rnn_loss, jnp.array([1.0, 2.0]), jnp.zeros(2), has_aux=True)
+        seen.append(aux["hidden"])
+        return loss
+
+    lb.step(closure)
+    assert len(seen) == int(lb.state.func_evals) and seen[0].shape == (2,)

@@ -189,23 +189,28 @@ class LBFGS:
                 lambda g: None if g is None else jnp.zeros_like(g), self._grads, is_leaf=is_none
             )
 
-    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """``loss_fn(opt.params, *args, **kwargs)``, its gradient ADDED into ``opt.grad``.
 
         ``Optimizer.backward``'s contract (one jitted ``value_and_grad`` per ``loss_fn``),
         for the body of torch's closure.
 
         Args:
-          loss_fn: ``(params, *args, **kwargs) -> scalar loss``.
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss`` (``-> (loss, aux)`` with
+            ``has_aux=True``).
           *args: positional arguments for ``loss_fn``.
+          has_aux: ``loss_fn`` returns ``(loss, aux)``; not passed to ``loss_fn``.
           **kwargs: keyword arguments for ``loss_fn``.
 
         Returns:
-          The loss, a 0-d array.
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
         """
-        loss, grads = _BACKWARD(loss_fn, _Layout("tree"), (self._params,), (self._grads,), args, kwargs)
+        layout = _Layout("tree")
+        out, grads = _BACKWARD(loss_fn, layout, bool(has_aux), (self._params,), (self._grads,), args, kwargs)
         self._grads = grads[0]
-        return loss
+        return out
 
     # -- the step -------------------------------------------------------------------------
 

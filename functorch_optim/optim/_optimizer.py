@@ -199,14 +199,14 @@ def _multi_step(txs, params, grads, states):
     return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
-def _backward(loss_fn, layout, params, grads, args, kwargs):
+def _backward(loss_fn, layout, has_aux, params, grads, args, kwargs):
     def loss_of(groups):
         return loss_fn(layout.to_user(groups), *args, **kwargs)
 
-    loss, new = jax.value_and_grad(loss_of)(params)
+    out, new = jax.value_and_grad(loss_of, has_aux=has_aux)(params)
     # torch's ``loss.backward()`` adds into ``.grad``: old + new
     acc = jax.tree.map(lambda old, g: g if old is None else old + g, grads, new, is_leaf=is_none)
-    return loss, acc
+    return out, acc
 
 
 #: Transformations by (algorithm, state structure): two with equal keys step identically
@@ -228,7 +228,7 @@ def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
 
 
 _STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
-_BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
+_BACKWARD = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 # ---------------------------------------------------------------------------------------
@@ -608,7 +608,9 @@ class Optimizer:
                 for t in self._grads
             ]
 
-    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """Compute ``loss_fn(opt.params, *args, **kwargs)`` and ADD its gradient into ``opt.grad``.
 
         As torch's ``loss.backward()`` accumulates into ``.grad``: call ``zero_grad()``
@@ -617,18 +619,35 @@ class Optimizer:
         every step; ``args``/``kwargs`` are traced arrays).
 
         Args:
-          loss_fn: ``(params, *args, **kwargs) -> scalar loss``; ``params`` comes in the
-            structure ``opt.params`` has.
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss``, or ``-> (loss, aux)``
+            with ``has_aux=True``; ``params`` comes in the structure ``opt.params`` has.
           *args: positional arguments for ``loss_fn`` (a batch, targets, …).
+          has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays
+            (an RNN's hidden state, a discriminator's outputs) that is not
+            differentiated (``jax.value_and_grad``'s ``has_aux``). Not passed to
+            ``loss_fn``.
           **kwargs: keyword arguments for ``loss_fn``.
 
         Returns:
-          The loss, a 0-d array.
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from functorch_optim.optim import SGD
+          >>> opt = SGD({"w": jnp.array([1.0, 2.0])}, lr=0.1)
+          >>> def loss_fn(params, x):
+          ...     out = params["w"] * x
+          ...     return jnp.sum(out**2), out
+          >>> loss, out = opt.backward(loss_fn, jnp.array([1.0, 1.0]), has_aux=True)
+          >>> float(loss), out.tolist(), opt.grad["w"].tolist()
+          (5.0, [1.0, 2.0], [2.0, 4.0])
         """
-        loss, grads = _BACKWARD(loss_fn, self._layout, tuple(self._params), tuple(self._grads), args, kwargs)
+        out, grads = _BACKWARD(
+            loss_fn, self._layout, bool(has_aux), tuple(self._params), tuple(self._grads), args, kwargs
+        )
         self._grads = list(grads)
         self._grads_all_none = False
-        return loss
+        return out
 
     def step(self, closure: Callable[..., Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
