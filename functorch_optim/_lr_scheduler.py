@@ -21,6 +21,9 @@ import numpy as np
 
 from functorch_optim import schedules as _s
 from functorch_optim._hyperparams import hparam_dtype
+from functorch_optim.schedules._composite import _lambda_schedule
+from functorch_optim.schedules._composite import _LambdaLR as _LambdaLRSpec
+from functorch_optim.schedules._composite import _MultiplicativeLR as _MultiplicativeLRSpec
 
 __all__ = [
     "SWALR",
@@ -99,7 +102,8 @@ class LRScheduler:
         if self._momentum_key is not None:
             start["momentum"] = _read(optimizer, self._momentum_key)
         self._group, self._state = self._spec.construct(start)
-        self._step_fn = jax.jit(self._spec.step)
+        # eager specs (the lambdas) call the user's Python code with Python ints, outside jit
+        self._step_fn = self._spec.step if self._spec.eager else jax.jit(self._spec.step)
         for group, initial in zip(groups, np.asarray(self._group["initial_lr"]).tolist(), strict=True):
             group["initial_lr"] = initial
         self._write()
@@ -157,21 +161,43 @@ def _lrs(optimizer: Any) -> list[float]:
 
 
 class LambdaLR(LRScheduler):
-    """``torch.optim.lr_scheduler.LambdaLR`` (see ``schedules.lambda_lr``)."""
+    """``torch.optim.lr_scheduler.LambdaLR``: ``lr = base_lr * lr_lambda(last_epoch)`` per group.
+
+    As torch, each ``step()`` calls ``lr_lambda`` (or each group's) with ``last_epoch`` as
+    a Python int, outside jit, so any Python code works: ``if``, ``max()``, ``float()``,
+    transformers' ``get_linear_schedule_with_warmup`` lambdas, unchanged. The functional
+    ``schedules.lambda_lr`` traces its lambda instead.
+
+    Examples:
+      >>> from functorch_optim.optim import lr_scheduler
+      >>> class Opt:  # anything with ``param_groups``
+      ...     param_groups = [{"lr": 1.0}]
+      >>> opt = Opt()
+      >>> sched = lr_scheduler.LambdaLR(opt, lambda e: float(e) / 2 if e < 2 else 1.0)
+      >>> for _ in range(3):
+      ...     sched.step()
+      >>> sched.get_last_lr()
+      [1.0]
+    """
 
     def __init__(
         self, optimizer: Any, lr_lambda: Callable | Sequence[Callable], last_epoch: int = -1
     ) -> None:
-        super().__init__(optimizer, _s.lambda_lr(_lrs(optimizer), lr_lambda), last_epoch)
+        sched = _lambda_schedule(_lrs(optimizer), lr_lambda, _LambdaLRSpec, eager=True)
+        super().__init__(optimizer, sched, last_epoch)
 
 
 class MultiplicativeLR(LRScheduler):
-    """``torch.optim.lr_scheduler.MultiplicativeLR`` (see ``schedules.multiplicative_lr``)."""
+    """``torch.optim.lr_scheduler.MultiplicativeLR``: ``lr *= lr_lambda(last_epoch)`` each step.
+
+    ``lr_lambda`` is called eagerly with a Python int, as in :class:`LambdaLR`.
+    """
 
     def __init__(
         self, optimizer: Any, lr_lambda: Callable | Sequence[Callable], last_epoch: int = -1
     ) -> None:
-        super().__init__(optimizer, _s.multiplicative_lr(_lrs(optimizer), lr_lambda), last_epoch)
+        sched = _lambda_schedule(_lrs(optimizer), lr_lambda, _MultiplicativeLRSpec, eager=True)
+        super().__init__(optimizer, sched, last_epoch)
 
 
 class StepLR(LRScheduler):

@@ -157,14 +157,14 @@ def _multi_step(txs, params, grads, states):
     return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
-def _backward(loss_fn, layout, params, grads, args, kwargs):
+def _backward(loss_fn, layout, has_aux, params, grads, args, kwargs):
     def loss_of(groups):
         return loss_fn(layout.to_user(groups), *args, **kwargs)
 
-    loss, new = jax.value_and_grad(loss_of)(params)
+    out, new = jax.value_and_grad(loss_of, has_aux=has_aux)(params)
     # torch's ``loss.backward()`` adds into ``.grad``: old + new
     acc = jax.tree.map(lambda old, g: g if old is None else old + g, grads, new, is_leaf=is_none)
-    return loss, acc
+    return out, acc
 
 
 #: Transformations by (algorithm, state structure): two with equal keys step identically
@@ -187,12 +187,47 @@ def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
 
 
 _STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
-_BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
+_BACKWARD = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
+
+
+def closure_takes_params(closure: Callable[..., Any]) -> bool:
+    """Whether a ``step(closure)`` closure is the pure ``closure(params)`` form, by its signature.
+
+    A closure that can be called without arguments is torch's ``closure() -> loss``
+    (it evaluates the model and calls ``backward`` itself); one with exactly one required
+    positional parameter is the pure ``closure(params) -> loss``.
+
+    Args:
+      closure: the closure given to ``step``.
+
+    Returns:
+      True for ``closure(params)``, False for ``closure()``.
+
+    Raises:
+      TypeError: for a closure with two or more required positional parameters, or one
+        whose signature cannot be read.
+    """
+    try:
+        sig = inspect.signature(closure)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step: cannot read the signature of closure {closure!r}; pass a function "
+            "closure() -> loss (torch's) or closure(params) -> loss"
+        ) from None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in sig.parameters.values() if p.kind in positional and p.default is p.empty]
+    if len(required) > 1:
+        raise TypeError(
+            "closure must take no argument (torch's closure() -> loss, which calls "
+            "opt.zero_grad() and opt.backward(...) itself) or one, the parameters "
+            f"(closure(params) -> loss); got one that requires {', '.join(required)}"
+        )
+    return len(required) == 1
 
 
 def _is_torch_tensor(x: Any) -> bool:
@@ -532,7 +567,9 @@ class Optimizer:
                 for t in self._grads
             ]
 
-    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """Compute ``loss_fn(opt.params, *args, **kwargs)`` and ADD its gradient into ``opt.grad``.
 
         As torch's ``loss.backward()`` accumulates into ``.grad``: call ``zero_grad()``
@@ -541,20 +578,37 @@ class Optimizer:
         every step; ``args``/``kwargs`` are traced arrays).
 
         Args:
-          loss_fn: ``(params, *args, **kwargs) -> scalar loss``; ``params`` comes in the
-            structure ``opt.params`` has.
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss``, or ``-> (loss, aux)``
+            with ``has_aux=True``; ``params`` comes in the structure ``opt.params`` has.
           *args: positional arguments for ``loss_fn`` (a batch, targets, …).
+          has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays
+            (an RNN's hidden state, a discriminator's outputs) that is not
+            differentiated (``jax.value_and_grad``'s ``has_aux``). Not passed to
+            ``loss_fn``.
           **kwargs: keyword arguments for ``loss_fn``.
 
         Returns:
-          The loss, a 0-d array.
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from functorch_optim.optim import SGD
+          >>> opt = SGD({"w": jnp.array([1.0, 2.0])}, lr=0.1)
+          >>> def loss_fn(params, x):
+          ...     out = params["w"] * x
+          ...     return jnp.sum(out**2), out
+          >>> loss, out = opt.backward(loss_fn, jnp.array([1.0, 1.0]), has_aux=True)
+          >>> float(loss), out.tolist(), opt.grad["w"].tolist()
+          (5.0, [1.0, 2.0], [2.0, 4.0])
         """
-        loss, grads = _BACKWARD(loss_fn, self._layout, tuple(self._params), tuple(self._grads), args, kwargs)
+        out, grads = _BACKWARD(
+            loss_fn, self._layout, bool(has_aux), tuple(self._params), tuple(self._grads), args, kwargs
+        )
         self._grads = list(grads)
         self._grads_all_none = False
-        return loss
+        return out
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[..., Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
         First applies changed ``param_groups`` values (validated with torch's messages;
@@ -562,15 +616,27 @@ class Optimizer:
         whose gradient is ``None`` is left untouched, state included.
 
         Args:
-          closure: optional ``() -> loss`` that re-evaluates the model (usually
-            ``zero_grad()`` then ``backward(...)``), called first, as in torch.
+          closure: optional; told apart by its signature (see ``closure_takes_params``):
+
+            * torch's ``closure() -> loss``, which re-evaluates the model itself
+              (``opt.zero_grad(); loss = opt.backward(loss_fn, x, y); return loss``),
+              called first, as in torch;
+            * a pure ``closure(params) -> loss``: the gradients become its gradient at
+              the current parameters (``zero_grad()`` then ``backward(closure)``).
 
         Returns:
           The closure's loss, or ``None`` without a closure.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
         loss = None
         if closure is not None:
-            loss = closure()
+            if closure_takes_params(closure):
+                self.zero_grad()
+                loss = self.backward(closure)
+            else:
+                loss = closure()
         self._sync_groups()
         if self._grads_all_none:
             return loss
