@@ -116,7 +116,9 @@ def test_transforms_in_optax_chain_match_torch_training():
     assert rel_err(params["w"], t.detach().numpy()) <= 1e-14
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, jnp.bfloat16], ids=["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [np.float64, np.float32, jnp.bfloat16], ids=["float64", "float32", "bfloat16"]
+)
 def test_clip_transform_state_keeps_the_gradients_dtype(dtype):
     tx = fo.clip_grad_norm_transform(1.0)
     params = {"w": jnp.zeros(3, dtype)}
