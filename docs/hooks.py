@@ -29,6 +29,7 @@ from griffe_math import rest_math_to_markdown  # noqa: E402
 
 SUBMODULES = (
     "functorch_optim.optim",
+    "functorch_optim.nn.utils",
     "functorch_optim.schedules",
     "functorch_optim.testing",
     "functorch_optim.interop.torch",

@@ -14,6 +14,7 @@ import functorch_optim  # noqa: E402
 # the public modules whose ``__all__`` is API (optim and schedules once they exist)
 SUBMODULES = (
     "functorch_optim.optim",
+    "functorch_optim.nn.utils",
     "functorch_optim.schedules",
     "functorch_optim.testing",
     "functorch_optim.interop.torch",
