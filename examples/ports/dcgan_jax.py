@@ -51,7 +51,8 @@ def g_loss(g_params, d_params, noise, label):
 
 def main(argv=None):
     opt = dcgan_torch.parse(argv)
-    jax.config.update("jax_enable_x64", opt.double)
+    if opt.double:
+        jax.config.update("jax_enable_x64", True)
     dtype = np.float64 if opt.double else np.float32
     torch.set_default_dtype(torch.float64 if opt.double else torch.float32)
     torch_g, torch_d = dcgan_torch.models(opt)  # the torch models' initial weights
@@ -88,8 +89,10 @@ def main(argv=None):
             errG, D_G_z2 = optimizerG.backward(g_loss, optimizerD.params, noise, label, has_aux=True)
             optimizerG.step()
 
-            print("[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f"
-                  % (epoch, opt.niter, i, n_batches, errD, errG, D_x, D_G_z1, D_G_z2))
+            print(
+                "[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f"
+                % (epoch, opt.niter, i, n_batches, errD, errG, D_x, D_G_z1, D_G_z2)
+            )
             losses.append(tuple(float(v) for v in (errD, errG, D_x, D_G_z1, D_G_z2)))
     return {"losses": losses, "params": {"netD": optimizerD.params, "netG": optimizerG.params}}
 

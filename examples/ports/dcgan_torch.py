@@ -129,8 +129,9 @@ def main(argv=None):
     dtype = torch.get_default_dtype()
     netG, netD = models(opt)
     images, noises = data(opt)
-    dataloader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(images).to(dtype)),
-                                             batch_size=opt.batchSize)
+    dataloader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.from_numpy(images).to(dtype)), batch_size=opt.batchSize
+    )
 
     criterion = nn.BCELoss()
 
@@ -181,12 +182,16 @@ def main(argv=None):
             D_G_z2 = output.mean().item()
             optimizerG.step()
 
-            print("[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f"
-                  % (epoch, opt.niter, i, len(dataloader), errD.item(), errG.item(), D_x, D_G_z1, D_G_z2))
+            print(
+                "[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f"
+                % (epoch, opt.niter, i, len(dataloader), errD.item(), errG.item(), D_x, D_G_z1, D_G_z2)
+            )
             losses.append((errD.item(), errG.item(), D_x, D_G_z1, D_G_z2))
     torch.set_default_dtype(torch.float32)
-    params = {**{"netD." + k: v for k, v in netD.named_parameters()},
-              **{"netG." + k: v for k, v in netG.named_parameters()}}
+    params = {
+        **{"netD." + k: v for k, v in netD.named_parameters()},
+        **{"netG." + k: v for k, v in netG.named_parameters()},
+    }
     return {"losses": losses, "params": params}
 
 

@@ -59,7 +59,8 @@ def validate(val_data, params, args):
 
 def main(argv=None):
     args = imagenet_torch.parse(argv)
-    jax.config.update("jax_enable_x64", args.double)
+    if args.double:
+        jax.config.update("jax_enable_x64", True)
     dtype = np.float64 if args.double else np.float32
     torch.set_default_dtype(torch.float64 if args.double else torch.float32)
     torch.manual_seed(args.seed)

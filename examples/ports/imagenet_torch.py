@@ -103,16 +103,20 @@ def main(argv=None):
     model = TinyNet()
     (xt, yt), (xv, yv) = data(args)
     train_loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.from_numpy(xt).to(dtype), torch.from_numpy(yt)), batch_size=args.batch_size
+        torch.utils.data.TensorDataset(torch.from_numpy(xt).to(dtype), torch.from_numpy(yt)),
+        batch_size=args.batch_size,
     )
     val_loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.from_numpy(xv).to(dtype), torch.from_numpy(yv)), batch_size=args.batch_size
+        torch.utils.data.TensorDataset(torch.from_numpy(xv).to(dtype), torch.from_numpy(yv)),
+        batch_size=args.batch_size,
     )
 
     # define loss function (criterion), optimizer, and learning rate scheduler
     criterion = nn.CrossEntropyLoss()
 
-    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
 
     """Sets the learning rate to the initial LR decayed by 10 every 30 epochs"""
     scheduler = StepLR(optimizer, step_size=args.lr_step, gamma=0.1)

@@ -49,7 +49,10 @@ def train(args, optimizer, train_data, epoch, losses, key):
         optimizer.step()
         losses.append(float(loss))
         if batch_idx % args.log_interval == 0:
-            print(f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_data[0])}]\tLoss: {float(loss):.6f}")
+            print(
+                f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_data[0])}]"
+                f"\tLoss: {float(loss):.6f}"
+            )
     return key
 
 
@@ -66,7 +69,8 @@ def test(params, test_data, args):
 
 def main(argv=None):
     args = mnist_torch.parse(argv)
-    jax.config.update("jax_enable_x64", args.double)
+    if args.double:
+        jax.config.update("jax_enable_x64", True)
     dtype = np.float64 if args.double else np.float32
     torch.manual_seed(args.seed)
     torch.set_default_dtype(torch.float64 if args.double else torch.float32)
