@@ -134,3 +134,37 @@ def test_no_gradient_and_a_non_optimizer():
         clip_grad_norm_([jnp.ones(2)], 1.0)
     with pytest.raises(TypeError, match="clip_grad_value_ clips"):
         clip_grad_value_({"w": jnp.ones(2)}, 1.0)
+
+
+def test_clip_inside_lbfgs_torch_closure_like_torch():
+    """torch's LBFGS uses whatever its closure leaves in p.grad: a clipped gradient too."""
+    from functorch_optim.optim import LBFGS
+
+    x0 = np.array([-1.2, 1.0, 0.5])
+
+    def loss_fn(p):
+        return jnp.sum(100 * (p[1:] - p[:-1] ** 2) ** 2 + (1 - p[:-1]) ** 2)
+
+    opt = LBFGS(jnp.asarray(x0), lr=0.5, max_iter=6, history_size=3)
+    t = torch.tensor(x0, requires_grad=True)
+    topt = torch.optim.LBFGS([t], lr=0.5, max_iter=6, history_size=3)
+
+    def closure():
+        opt.zero_grad()
+        loss = opt.backward(loss_fn)
+        clip_grad_norm_(opt, 2.0)
+        return loss
+
+    def t_closure():
+        topt.zero_grad()
+        loss = torch.sum(100 * (t[1:] - t[:-1] ** 2) ** 2 + (1 - t[:-1]) ** 2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([t], 2.0)
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+        topt.step(t_closure)
+    np.testing.assert_allclose(np.asarray(opt.params), t.detach().numpy(), rtol=1e-10)  # norms: ulps apart
+    assert int(opt.state.func_evals) == topt.state[t]["func_evals"]
+    assert np.max(np.abs(np.asarray(opt.params) - x0)) > 0.1

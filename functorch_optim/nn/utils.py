@@ -27,7 +27,7 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
 
 def _holder(name: str, optimizer: Any) -> Any:
-    grad = type(optimizer).__dict__.get("grad") or getattr(type(optimizer), "grad", None)
+    grad = getattr(type(optimizer), "grad", None)
     if not isinstance(grad, property) or grad.fset is None:
         raise TypeError(
             f"{name} clips the gradients of a functorch_optim.optim optimizer in place "
@@ -55,8 +55,9 @@ def clip_grad_norm_(
     ``p.grad is None``).
 
     Args:
-      optimizer: a ``functorch_optim.optim`` optimizer (SGD, AdamW, …): its ``grad`` is
-        read and replaced by the clipped gradients.
+      optimizer: a ``functorch_optim.optim`` optimizer (SGD, AdamW, …; LBFGS inside
+        torch's closure, after ``backward``): its ``grad`` is read and replaced by the
+        clipped gradients.
       max_norm: the largest allowed norm.
       norm_type: p, default 2; ``float("inf")`` for the max-abs norm.
       error_if_nonfinite: raise torch's error when the norm is NaN or infinite, default

@@ -19,7 +19,7 @@ from jax.flatten_util import ravel_pytree
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._lbfgs import LBFGSState, _lbfgs_eager_step, lbfgs, lbfgs_step
 from functorch_optim._tree import PyTree, check_params, is_none
-from functorch_optim.optim._optimizer import _BACKWARD, _Layout, _same, closure_takes_params
+from functorch_optim.optim._optimizer import _BACKWARD, _checked_grad, _Layout, _same, closure_takes_params
 
 #: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
 _ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
@@ -171,9 +171,18 @@ class LBFGS:
 
     @property
     def grad(self) -> PyTree:
-        """The gradients the closure's ``backward`` left, shaped like ``params`` (``None`` leaves
-        after ``zero_grad()``)."""
+        """The gradients the closure's ``backward`` left, shaped like ``params``.
+
+        ``None`` leaves after ``zero_grad()``. Writable like ``Optimizer.grad`` (a pytree
+        like ``params``, the parameters' dtypes): what torch's closure leaves in
+        ``p.grad`` (e.g. clipped with ``functorch_optim.nn.utils.clip_grad_norm_``) is
+        what the step uses.
+        """
         return self._grads
+
+    @grad.setter
+    def grad(self, value: PyTree) -> None:
+        self._grads = _checked_grad(self._params, value)[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as torch's ``zero_grad``; torch's closure calls it first.

@@ -258,6 +258,21 @@ def _copy_leaf(x: Any) -> jax.Array:
     return jnp.array(x, copy=True)
 
 
+def _checked_grad(params: PyTree, value: PyTree) -> tuple[PyTree, bool]:
+    """An assigned ``opt.grad``, checked against the parameters and copied; and whether all are None."""
+    check_like_params(params, value, "grad")
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    g_leaves = jax.tree.structure(params).flatten_up_to(value)
+    for (path, p), g in zip(p_leaves, g_leaves, strict=True):
+        if g is not None and jnp.result_type(g) != p.dtype:
+            raise ValueError(
+                f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
+                f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
+            )
+    copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+    return copied, all(g is None for g in g_leaves)
+
+
 def _factory_parameters(factory: Callable[..., Any]) -> list[inspect.Parameter]:
     skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     return [p for p in inspect.signature(factory).parameters.values() if p.kind not in skip]
@@ -495,18 +510,9 @@ class Optimizer:
 
     @grad.setter
     def grad(self, value: PyTree) -> None:
-        check_like_params(self.params, value, "grad")
-        p_leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        g_leaves = jax.tree.structure(self.params).flatten_up_to(value)
-        for (path, p), g in zip(p_leaves, g_leaves, strict=True):
-            if g is not None and jnp.result_type(g) != p.dtype:
-                raise ValueError(
-                    f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
-                    f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
-                )
-        copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+        copied, all_none = _checked_grad(self.params, value)
         self._grads = list(self._layout.to_groups(copied))
-        self._grads_all_none = all(g is None for g in g_leaves)
+        self._grads_all_none = all_none
 
     @property
     def state(self) -> TorchState | tuple[TorchState, ...]:
