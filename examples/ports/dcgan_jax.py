@@ -77,7 +77,7 @@ def main(argv=None):
 
             noise = noises[it].astype(dtype)
             it += 1
-            fake = netG(optimizerG.params, noise)
+            fake = jax.jit(netG)(optimizerG.params, noise)
             label = np.full((real.shape[0],), fake_label, dtype)
             errD_fake, D_G_z1 = optimizerD.backward(d_loss, fake, label, has_aux=True)
             errD = errD_real + errD_fake

@@ -51,7 +51,7 @@ def train(train_data, optimizer, epoch, args, losses):
 def validate(val_data, params, args):
     top1, n = 0.0, 0
     for images, target in synthetic.batches(*val_data, args.batch_size):
-        top1 += accuracy(model(params, images), target) * len(images)
+        top1 += accuracy(jax.jit(model)(params, images), target) * len(images)
         n += len(images)
     print(f" * Acc@1 {top1 / n:.3f}")
     return top1 / n

@@ -13,10 +13,15 @@ import jax.numpy as jnp
 _DIMS = ("NCHW", "OIHW", "NCHW")
 
 
+def _last(v, y):
+    """``v`` (one value per feature) shaped to broadcast over ``y``'s last axis explicitly."""
+    return v.reshape((1,) * (y.ndim - 1) + v.shape)
+
+
 def linear(p, x):
     """``nn.Linear``: ``x @ W.T + b`` (``b`` optional)."""
     y = x @ p["weight"].T
-    return y + p["bias"] if "bias" in p else y
+    return y + _last(p["bias"], y) if "bias" in p else y
 
 
 def conv2d(p, x, stride=1, padding=0):
@@ -51,7 +56,8 @@ def layer_norm(p, x, eps=1e-5):
     """``nn.LayerNorm`` over the last axis."""
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
-    return (x - mean) / jnp.sqrt(var + eps) * p["weight"] + p["bias"]
+    y = (x - mean) / jnp.sqrt(var + eps)
+    return y * _last(p["weight"], y) + _last(p["bias"], y)
 
 
 def max_pool2d(x, k):
@@ -91,7 +97,8 @@ def dropout(x, rate, key):
 
 def lstm_cell(p, x, h, c):
     """``nn.LSTMCell``: torch's gate order (input, forget, cell, output)."""
-    gates = x @ p["weight_ih"].T + p["bias_ih"] + h @ p["weight_hh"].T + p["bias_hh"]
+    gates = linear({"weight": p["weight_ih"], "bias": p["bias_ih"]}, x)
+    gates = gates + linear({"weight": p["weight_hh"], "bias": p["bias_hh"]}, h)
     i, f, g, o = jnp.split(gates, 4, axis=-1)
     c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
     return jax.nn.sigmoid(o) * jnp.tanh(c), c

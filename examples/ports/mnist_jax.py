@@ -59,7 +59,7 @@ def train(args, optimizer, train_data, epoch, losses, key):
 def test(params, test_data, args):
     test_loss, correct = 0.0, 0
     for data, target in synthetic.batches(*test_data, args.test_batch_size):
-        output = net(params, data)
+        output = jax.jit(net)(params, data)
         test_loss += float(F.nll_loss(output, target, reduction="sum"))
         correct += int(jnp.sum(jnp.argmax(output, axis=1) == target))
     test_loss /= len(test_data[0])

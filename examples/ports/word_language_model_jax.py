@@ -31,11 +31,11 @@ def rnn(p, emb, hidden):
     """``nn.RNN(nonlinearity="tanh")`` over ``(seq, batch, features)``, layer by layer."""
     out, last = emb, []
     for layer in range(hidden.shape[0]):
-        w_ih, w_hh = p[f"weight_ih_l{layer}"], p[f"weight_hh_l{layer}"]
-        b = p[f"bias_ih_l{layer}"], p[f"bias_hh_l{layer}"]
+        ih = {"weight": p[f"weight_ih_l{layer}"], "bias": p[f"bias_ih_l{layer}"]}
+        hh = {"weight": p[f"weight_hh_l{layer}"], "bias": p[f"bias_hh_l{layer}"]}
 
-        def cell(h, x, w_ih=w_ih, w_hh=w_hh, b=b):
-            h = jnp.tanh(x @ w_ih.T + b[0] + h @ w_hh.T + b[1])
+        def cell(h, x, ih=ih, hh=hh):
+            h = jnp.tanh(F.linear(ih, x) + F.linear(hh, h))
             return h, h
 
         h, out = jax.lax.scan(cell, hidden[layer], out)
@@ -83,12 +83,14 @@ def main(argv=None):
         target = source[i + 1 : i + 1 + seq_len].reshape(-1)
         return data, target
 
+    eval_loss = jax.jit(loss_fn)
+
     def evaluate(data_source):
         total_loss = 0.0
         hidden = init_hidden(eval_batch_size)
         for i in range(0, data_source.shape[0] - 1, args.bptt):
             data, targets = get_batch(data_source, i)
-            loss, hidden = loss_fn(optimizer.params, data, targets, hidden)
+            loss, hidden = eval_loss(optimizer.params, data, targets, hidden)
             total_loss += len(data) * float(loss)
         return total_loss / (len(data_source) - 1)
 

@@ -71,7 +71,7 @@ def parse(argv=None):
     parser.add_argument("--bptt", type=int, default=6, help="sequence length")
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=1111, help="random seed")
-    parser.add_argument("--n-tokens-train", type=int, default=121)
+    parser.add_argument("--n-tokens-train", type=int, default=124)
     parser.add_argument("--double", action="store_true", help="float64 throughout")
     return parser.parse_args(argv)
 
@@ -81,9 +81,10 @@ eval_batch_size = 2
 
 def corpus(args):
     """train, valid and test token streams (the original's ``data.Corpus``)."""
-    stream = synthetic.tokens(args.n_tokens_train + 80, args.ntokens, seed=args.seed)
+    # sizes with full bptt windows only: one compiled shape per side
+    stream = synthetic.tokens(args.n_tokens_train + 100, args.ntokens, seed=args.seed)
     n = args.n_tokens_train
-    return stream[:n], stream[n : n + 40], stream[n + 40 :]
+    return stream[:n], stream[n : n + 50], stream[n + 50 :]
 
 
 def batchify(data, bsz):
