@@ -130,6 +130,13 @@ def grad_accumulate(
       >>> params["w"].tolist(), bool(state.stepped)
       ([-2.0], True)
 
+    Gradient clipping goes *inside*: ``grad_accumulate(optax.chain(
+    clip_grad_norm_transform(max_norm), tx), every=k)``. torch clips once per optimizer
+    step, the gradient accumulated over the ``k`` ``backward()`` calls (``clip_grad_norm_``
+    between the last ``backward()`` and ``step()``); the chain inside runs only on the
+    closing call, on the window's mean. A clip outside would scale each micro-batch's
+    gradient by its own norm, which is not torch's run (and not one large batch's).
+
     Note:
       A parameter whose gradient is ``None`` in every call of a window is skipped by the
       step (its value and, for this package's optimizers, its state stay unchanged), as

@@ -155,3 +155,23 @@ def test_errors_name_the_problem():
         fo.set_hparams(state, lr=0.1)
     with pytest.raises(ValueError, match="needs a state with one set of parameter groups"):
         fo.get_hparams(fo.sgd().init(params), group="x")
+
+
+def test_optax_factory_and_equinox_model():
+    """Any factory (here optax's) over an equinox model's filtered tree: optax's own
+    multi_transform on the same labels gives the same updates."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(2, 2, 3, 1, key=jax.random.PRNGKey(0), dtype=jnp.float64)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = jax.tree.map(jnp.ones_like, params)
+    ours = fo.param_groups(optax.sgd, {"b": {"where": r"bias$", "learning_rate": 1.0}}, learning_rate=0.1)
+    labels = eqx.tree_at(
+        lambda m: [lin.bias for lin in m.layers], jax.tree.map(lambda _: "w", params), ["b", "b"]
+    )
+    theirs = optax.multi_transform({"w": optax.sgd(0.1), "b": optax.sgd(1.0)}, lambda _: labels)
+    u_ours, _ = ours.update(grads, ours.init(params), params)
+    u_theirs, _ = theirs.update(grads, theirs.init(params), params)
+    for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert u_ours.layers[0].bias.tolist() == [-1.0] * 3 and u_ours.layers[0].weight[0, 0] == -0.1
