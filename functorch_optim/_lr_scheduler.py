@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functorch_optim import schedules as _s
+from functorch_optim._checks import check_saved_constants, check_state_dict_keys, to_python
 from functorch_optim._hyperparams import hparam_dtype
 
 __all__ = [
@@ -75,23 +76,9 @@ _TORCH_NAMES = {"step_count": "_step_count"}
 _OPTIONAL = {"_get_lr_called_within_step": False, "_is_initial": False}
 
 
-def _to_python(x: Any) -> Any:
-    """A state value (array, tensor, number, container) as torch keeps it: Python objects."""
-    if isinstance(x, dict) and type(x) is dict:
-        return {k: _to_python(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return type(x)(_to_python(v) for v in x)
-    if hasattr(x, "detach"):  # a torch tensor (a tensor lr)
-        x = x.detach().cpu().numpy()
-    if isinstance(x, np.ndarray | jax.Array | np.generic):
-        x = np.asarray(x)
-        return x.tolist()
-    return x
-
-
 def _loaded(cls: str, key: str, value: Any, like: jax.Array) -> jax.Array:
     """``value`` (a torch dict entry) as an array of ``like``'s shape and dtype."""
-    arr = np.asarray(_to_python(value))
+    arr = np.asarray(to_python(value))
     if arr.shape != like.shape or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
         want = (
             "an integer" if like.shape == () else f"a list of {like.shape[0]} numbers (one per param group)"
@@ -102,35 +89,11 @@ def _loaded(cls: str, key: str, value: Any, like: jax.Array) -> jax.Array:
     return jnp.asarray(arr, like.dtype)
 
 
-def _check_keys(cls: str, state_dict: Any, expected: Mapping[str, Any]) -> None:
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{cls}.load_state_dict expects a dict, got {type(state_dict).__name__}")
-    missing = sorted(set(expected) - set(state_dict) - set(_OPTIONAL))
-    extra = sorted(set(state_dict) - set(expected))
-    if missing or extra:
-        parts = [f"missing {missing}"] if missing else []
-        parts += [f"unexpected {extra}"] if extra else []
-        raise ValueError(
-            f"{cls}.load_state_dict: not a {cls} state dict in torch's layout ({'; '.join(parts)})"
-        )
-
-
 def _saved_last_lr(cls: str, state_dict: Mapping[str, Any], n: int) -> list[float]:
-    last_lr = _to_python(state_dict["_last_lr"])
+    last_lr = to_python(state_dict["_last_lr"])
     if not isinstance(last_lr, list | tuple) or len(last_lr) != n:
         raise ValueError(f"{cls}.load_state_dict: '_last_lr' must be a list of {n} numbers, got {last_lr!r}")
     return [float(v) for v in last_lr]
-
-
-def _check_constants(cls: str, state_dict: Mapping[str, Any], constants: Mapping[str, Any]) -> None:
-    """The saved hyperparameters must be the ones this scheduler was built with."""
-    for key, mine in constants.items():
-        saved = _to_python(state_dict[key])
-        if saved != mine:
-            raise ValueError(
-                f"{cls}.load_state_dict: the saved {key} is {saved!r}, but this {cls} was "
-                f"built with {mine!r}; build the scheduler with the saved arguments"
-            )
 
 
 class LRScheduler:
@@ -248,7 +211,7 @@ class LRScheduler:
         ``initial_lr``, …) are the optimizer's: save its state dict too.
         """
         sd = dict(self._constants)
-        sd.update({_TORCH_NAMES.get(k, k): _to_python(v) for k, v in self._state.items()})
+        sd.update({_TORCH_NAMES.get(k, k): to_python(v) for k, v in self._state.items()})
         sd.update(_OPTIONAL)
         sd["_last_lr"] = list(self._last_lr)
         return sd
@@ -271,8 +234,8 @@ class LRScheduler:
     def _prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """Validate ``state_dict`` entirely; return the function that applies it."""
         cls = type(self).__name__
-        _check_keys(cls, state_dict, self.state_dict())
-        _check_constants(cls, state_dict, self._constants)
+        check_state_dict_keys(cls, state_dict, self.state_dict(), _OPTIONAL)
+        check_saved_constants(cls, state_dict, self._constants)
         state = {
             k: _loaded(cls, _TORCH_NAMES.get(k, k), state_dict[_TORCH_NAMES.get(k, k)], v)
             for k, v in self._state.items()
@@ -632,8 +595,8 @@ class SequentialLR(LRScheduler):
 
     def _prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         name = "SequentialLR"
-        _check_keys(name, state_dict, self.state_dict())
-        _check_constants("SequentialLR", state_dict, {"_milestones": self._milestones})
+        check_state_dict_keys(name, state_dict, self.state_dict())
+        check_saved_constants("SequentialLR", state_dict, {"_milestones": self._milestones})
         subs = _prepare_subs("SequentialLR", self._schedulers, state_dict["_schedulers"])
         last_epoch = int(_loaded("SequentialLR", "last_epoch", state_dict["last_epoch"], jnp.int32(0)))
         last_lr = _saved_last_lr(name, state_dict, len(self._last_lr))
@@ -685,7 +648,7 @@ class ChainedScheduler(LRScheduler):
 
     def _prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         name = "ChainedScheduler"
-        _check_keys(name, state_dict, self.state_dict())
+        check_state_dict_keys(name, state_dict, self.state_dict())
         subs = _prepare_subs("ChainedScheduler", self._schedulers, state_dict["_schedulers"])
         last_lr = _saved_last_lr(name, state_dict, len(self._last_lr))
 
@@ -802,7 +765,7 @@ class ReduceLROnPlateau:
     def state_dict(self) -> dict[str, Any]:
         """The state in torch's layout (Python numbers and lists), loadable into torch's class."""
         sd = dict(self._constants)
-        sd.update({k: _to_python(v) for k, v in self._state._asdict().items()})
+        sd.update({k: to_python(v) for k, v in self._state._asdict().items()})
         sd["_last_lr"] = list(self._last_lr)
         return sd
 
@@ -818,8 +781,8 @@ class ReduceLROnPlateau:
 
     def _prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         cls = "ReduceLROnPlateau"
-        _check_keys(cls, state_dict, self.state_dict())
-        _check_constants(cls, state_dict, self._constants)
+        check_state_dict_keys(cls, state_dict, self.state_dict(), _OPTIONAL)
+        check_saved_constants(cls, state_dict, self._constants)
         fields = self._state._asdict()
         state = type(self._state)(**{k: _loaded(cls, k, state_dict[k], v) for k, v in fields.items()})
         last_lr = _saved_last_lr(cls, state_dict, len(self._last_lr))
