@@ -26,6 +26,9 @@ import numpy as np
 from functorch_optim import schedules as _s
 from functorch_optim._checks import check_saved_constants, check_state_dict_keys, to_python
 from functorch_optim._hyperparams import hparam_dtype
+from functorch_optim.schedules._composite import _lambda_schedule
+from functorch_optim.schedules._composite import _LambdaLR as _LambdaLRSpec
+from functorch_optim.schedules._composite import _MultiplicativeLR as _MultiplicativeLRSpec
 
 __all__ = [
     "SWALR",
@@ -153,8 +156,12 @@ class LRScheduler:
         if self._momentum_key is not None:
             start["momentum"] = _read(optimizer, self._momentum_key)
         self._group, self._state = self._spec.construct(start)
-        self._step_fn = jax.jit(self._spec.step)
+        self._step_fn = self._make_step_fn()
         self._write()
+
+    def _make_step_fn(self) -> Callable:
+        # eager specs (the lambdas) call the user's Python code with Python ints, outside jit
+        return self._spec.step if self._spec.eager else jax.jit(self._spec.step)
 
     def _group_key(self, key: str) -> str:
         return self._momentum_key if key == "momentum" else key
@@ -268,9 +275,10 @@ class _LambdaScheduler(LRScheduler):
     def __init__(
         self, optimizer: Any, lr_lambda: Callable | Sequence[Callable], last_epoch: int = -1
     ) -> None:
-        super().__init__(optimizer, self._schedule(_lrs(optimizer), lr_lambda), last_epoch)
+        sched = _lambda_schedule(_lrs(optimizer), lr_lambda, self._spec_class, eager=True)
+        super().__init__(optimizer, sched, last_epoch)
 
-    _schedule: Callable[..., _s.Schedule]
+    _spec_class: type[_LambdaLRSpec]
 
     @property
     def lr_lambdas(self) -> list[Callable]:
@@ -304,22 +312,41 @@ class _LambdaScheduler(LRScheduler):
         def apply() -> None:
             for fn, entry in zip(fns, saved, strict=True):
                 if entry is not None:
-                    fn.__dict__.update(entry)
-            self._step_fn = jax.jit(self._spec.step)  # the lambdas' attributes are traced in
+                    fn.__dict__.update(entry)  # read at the next (eager) call
 
         return apply
 
 
 class LambdaLR(_LambdaScheduler):
-    """``torch.optim.lr_scheduler.LambdaLR`` (see ``schedules.lambda_lr``)."""
+    """``torch.optim.lr_scheduler.LambdaLR``: ``lr = base_lr * lr_lambda(last_epoch)`` per group.
 
-    _schedule = staticmethod(_s.lambda_lr)
+    As torch, each ``step()`` calls ``lr_lambda`` (or each group's) with ``last_epoch`` as
+    a Python int, outside jit, so any Python code works: ``if``, ``max()``, ``float()``,
+    transformers' ``get_linear_schedule_with_warmup`` lambdas, unchanged. The functional
+    ``schedules.lambda_lr`` traces its lambda instead.
+
+    Examples:
+      >>> from functorch_optim.optim import lr_scheduler
+      >>> class Opt:  # anything with ``param_groups``
+      ...     param_groups = [{"lr": 1.0}]
+      >>> opt = Opt()
+      >>> sched = lr_scheduler.LambdaLR(opt, lambda e: float(e) / 2 if e < 2 else 1.0)
+      >>> for _ in range(3):
+      ...     sched.step()
+      >>> sched.get_last_lr()
+      [1.0]
+    """
+
+    _spec_class = _LambdaLRSpec
 
 
 class MultiplicativeLR(_LambdaScheduler):
-    """``torch.optim.lr_scheduler.MultiplicativeLR`` (see ``schedules.multiplicative_lr``)."""
+    """``torch.optim.lr_scheduler.MultiplicativeLR``: ``lr *= lr_lambda(last_epoch)`` each step.
 
-    _schedule = staticmethod(_s.multiplicative_lr)
+    ``lr_lambda`` is called eagerly with a Python int, as in :class:`LambdaLR`.
+    """
+
+    _spec_class = _MultiplicativeLRSpec
 
 
 class StepLR(LRScheduler):
@@ -469,7 +496,7 @@ class CyclicLR(LRScheduler):
         def apply() -> None:
             if saved is not None:
                 fn.__dict__.update(saved)
-                self._step_fn = jax.jit(self._spec.step)  # its attributes are traced in
+                self._step_fn = self._make_step_fn()  # its attributes are traced in
 
         return apply
 

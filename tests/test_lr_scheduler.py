@@ -8,6 +8,7 @@ built elsewhere: it has only what the schedulers use, ``param_groups`` (dicts wh
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import numpy as np
@@ -17,6 +18,7 @@ from torch.optim import lr_scheduler as TL
 from torch.optim import swa_utils
 
 from functorch_optim.optim import lr_scheduler as L
+from tests.helpers import _get_linear_schedule_with_warmup_lr_lambda, get_linear_schedule_with_warmup
 
 STEPS = 120
 LRS = [0.1, 0.03]
@@ -163,7 +165,18 @@ def test_errors_like_torch():
 
 @pytest.mark.parametrize(
     ("name", "kwargs"),
-    [("CosineAnnealingLR", {"T_max": 7, "eta_min": 0.01}), ("StepLR", {"step_size": 4, "gamma": 0.5})],
+    [
+        ("CosineAnnealingLR", {"T_max": 7, "eta_min": 0.01}),
+        ("StepLR", {"step_size": 4, "gamma": 0.5}),
+        (
+            "LambdaLR",
+            {
+                "lr_lambda": functools.partial(
+                    _get_linear_schedule_with_warmup_lr_lambda, num_warmup_steps=4, num_training_steps=16
+                )
+            },
+        ),
+    ],
 )
 def test_drives_the_real_facade_like_torch(name, kwargs):
     """The classes over functorch_optim.optim.SGD (two groups) train like torch's pair."""
@@ -425,3 +438,69 @@ def test_composites_refuse_a_bad_child_and_keep_their_state():
     assert chain.state_dict() == before
     with pytest.raises(TypeError, match="expects a dict"):
         L.ReduceLROnPlateau(opt).load_state_dict([1, 2])
+
+
+# ----------------------------------------------------------------------------- eager lambdas
+def _recording(fn, calls):
+    def lr_lambda(epoch):
+        calls.append(epoch)
+        return fn(epoch)
+
+    return lr_lambda
+
+
+def test_lambda_lr_calls_transformers_lambda_eagerly_like_torch():
+    """transformers' warmup lambda (``if``, ``max``, ``float``) runs unchanged: same lrs, same calls."""
+    topt, opt = _pair()
+    ref = get_linear_schedule_with_warmup(topt, 5, 30, LambdaLR=TL.LambdaLR)
+    ours = get_linear_schedule_with_warmup(opt, 5, 30, LambdaLR=L.LambdaLR)
+    for _ in range(34):
+        assert ours.get_last_lr() == ref.get_last_lr()  # float64, exactly
+        assert [g["lr"] for g in opt.param_groups] == ref.get_last_lr()
+        topt.step()
+        ref.step()
+        ours.step()
+    assert ours.get_last_lr() == [0.0, 0.0]
+    assert ours.last_epoch == ref.last_epoch == 34
+
+
+@pytest.mark.parametrize("name", ["LambdaLR", "MultiplicativeLR"])
+def test_lambda_receives_a_python_int_once_per_group_like_torch(name):
+    def factor(epoch):
+        return 0.5 if epoch % 3 == 0 else 1.0 - epoch / 100
+
+    topt, opt = _pair()
+    theirs, ours = [], []
+    ref = getattr(TL, name)(topt, _recording(factor, theirs))
+    sched = getattr(L, name)(opt, _recording(factor, ours))
+    for _ in range(10):
+        assert sched.get_last_lr() == ref.get_last_lr()
+        topt.step()
+        ref.step()
+        sched.step()
+    assert sched.get_last_lr() == ref.get_last_lr()
+    assert ours == theirs and {type(e) for e in ours} == {int}
+
+
+def test_eager_lambdas_inside_sequential_and_chained_like_torch():
+    def warm(epoch):
+        return float(epoch) / 3 if epoch < 3 else 1.0
+
+    def cases(M, o):
+        return {
+            "SequentialLR": lambda: M.SequentialLR(o, [M.LambdaLR(o, warm), M.ExponentialLR(o, 0.9)], [3]),
+            "ChainedScheduler": lambda: M.ChainedScheduler(
+                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm, warm])]
+            ),
+        }
+
+    for name in ["SequentialLR", "ChainedScheduler"]:
+        topt, opt = _pair()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref, ours = cases(TL, topt)[name](), cases(L, opt)[name]()
+            for t in range(12):
+                assert ours.get_last_lr() == ref.get_last_lr(), (name, t)
+                topt.step()
+                ref.step()
+                ours.step()
