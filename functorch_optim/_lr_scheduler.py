@@ -7,7 +7,12 @@ dicts whose ``"lr"`` (and ``"momentum"`` or ``"betas"``) entries can be read and
 and take effect on the next step (``functorch_optim.optim``'s facade). Each ``step()``
 reads the current values from the groups, runs torch's chainable step as one jitted pure
 function (compiled once per scheduler) and writes the new values back as Python floats,
-so the optimizer never recompiles.
+so the optimizer never recompiles. ``SequentialLR`` and ``ChainedScheduler`` step their
+schedulers, as torch's do.
+
+``state_dict()`` is torch's (Python numbers and lists under torch's attribute names) and
+``load_state_dict`` takes torch's, so a run moves between torch and JAX mid-schedule;
+the values a scheduler keeps in the groups travel with the optimizer's state dict.
 """
 
 from __future__ import annotations
