@@ -452,9 +452,9 @@ def test_adam_like_step_state_round_trips_with_torch_adam():
     sd = opt.state_dict()
     ref = t_opt.state_dict()
     assert sorted(sd["state"][1]) == sorted(ref["state"][1]) == ["exp_avg", "exp_avg_sq", "step"]
-    assert sd["state"][0]["step"].dtype == np.float32 and float(sd["state"][0]["step"]) == 12.0
+    assert sd["state"][0]["step"].dtype == torch.float32 and float(sd["state"][0]["step"]) == 12.0
     back = torch.optim.Adam(torch_tensors(params), lr=0.5, foreach=False)
-    back.load_state_dict(state_dict_to_torch(sd))
+    back.load_state_dict(sd)  # torch tensors already: no conversion
     assert back.param_groups[0]["lr"] == 0.01
     assert back.state_dict()["state"][1]["step"].item() == 9.0
     # never stepped -> no entry, like torch's lazy state

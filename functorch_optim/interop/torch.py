@@ -112,9 +112,42 @@ def _key_part(key: Any) -> str:
     return str(key)
 
 
+def _is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.Tensor`` (without importing torch)."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """A host NumPy copy of an array: a torch tensor, a JAX or NumPy array, a scalar.
+
+    bfloat16 tensors become ``ml_dtypes`` bfloat16 arrays (JAX's), which NumPy's own
+    conversion of a tensor refuses.
+    """
+    if _is_tensor(x):
+        import torch
+
+        t = x.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(jnp.bfloat16).copy()
+        return t.numpy().copy()
+    return np.array(x, copy=True)
+
+
+def _to_tensor(x: Any) -> Any:
+    """A ``torch.Tensor`` copy of an array (NumPy, JAX or torch), bfloat16 included."""
+    import torch
+
+    if _is_tensor(x):
+        return x.detach().clone()
+    arr = np.array(x, copy=True)
+    if arr.dtype == jnp.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
 def _to_jax(tensor: Any, dtype: Any) -> jax.Array:
-    arr = tensor.detach().cpu().numpy()
-    if dtype is not None and np.issubdtype(arr.dtype, np.floating):
+    arr = _to_numpy(tensor)
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
         arr = arr.astype(dtype)
     return jnp.asarray(arr)
 
@@ -191,13 +224,11 @@ def tree_to_state_dict(tree: PyTree, *, dtype: Any = None, sep: str = SEP) -> Or
       >>> {k: tuple(v.shape) for k, v in sd.items()}
       {'fc.bias': (1,), 'fc.weight': (1, 2)}
     """
-    import torch
-
     out: OrderedDict[str, Any] = OrderedDict()
     for name, leaf in flatten_names(tree, sep).items():
         if leaf is None:
             continue
-        t = torch.from_numpy(np.array(leaf))
+        t = _to_tensor(leaf)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         out[name] = t
@@ -252,7 +283,7 @@ def load_tree_into_module(module: Any, tree: PyTree, *, strict: bool = True, sep
         for name, value in flat.items():
             if name in targets:
                 dst = targets[name]
-                dst.copy_(torch.from_numpy(np.array(value)).to(dst.dtype))
+                dst.copy_(_to_tensor(value).to(dst.dtype))
     return module
 
 

@@ -25,6 +25,7 @@ from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState
 from functorch_optim._base import step as functional_step
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
+from functorch_optim.interop.torch import _is_tensor, _to_numpy, _to_tensor
 
 #: torch's implementation switches: accepted everywhere, no effect here (XLA fuses).
 #: ``fused`` is not among them: SGD, Adam, AdamW and Adagrad honour it (a one-pass CPU kernel), and
@@ -236,16 +237,78 @@ _BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
 # ---------------------------------------------------------------------------------------
 
 
-def _is_torch_tensor(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or _is_tensor(x)
 
 
-def _to_numpy(x: Any) -> Any:
-    if _is_torch_tensor(x):
-        return x.detach().cpu().numpy()
-    if isinstance(x, jax.Array | np.ndarray | np.generic):
-        return np.asarray(x)
-    return x
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _python(v: Any) -> Any:
+    """A param-group value as plain Python: 0-d arrays and NumPy scalars become numbers."""
+    if _is_array(v) and np.ndim(v) == 0:
+        return _to_numpy(v).item()
+    if isinstance(v, list | tuple):
+        return type(v)(_python(x) for x in v)
+    return copy.deepcopy(v)
+
+
+def export_state_dict(state_dict: Mapping[str, Any], tensors: bool) -> dict[str, Any]:
+    """A copy of a torch-layout state dict: arrays as torch tensors or NumPy, groups as Python.
+
+    Every array of ``state`` (inside lists too: LBFGS's history) becomes a torch tensor
+    (``tensors=True``) or a NumPy array, bfloat16 included; every 0-d array or NumPy
+    scalar in ``param_groups`` becomes a Python number. The result is what torch's
+    ``torch.load`` reads with its default ``weights_only=True``.
+    """
+
+    def array(v: Any) -> Any:
+        if _is_array(v):
+            return _to_tensor(v) if tensors else _to_numpy(v)
+        if isinstance(v, list | tuple):
+            return type(v)(array(x) for x in v)
+        return v
+
+    return {
+        "state": {k: {n: array(v) for n, v in e.items()} for k, e in state_dict["state"].items()},
+        "param_groups": [{k: _python(v) for k, v in g.items()} for g in state_dict["param_groups"]],
+    }
+
+
+def _ids(key: Any) -> Any:
+    """A saved parameter id as torch's int: orbax stores dict keys as strings, ints as arrays."""
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    if _is_array(key) and np.ndim(key) == 0:
+        return int(_to_numpy(key))
+    return key
+
+
+def read_state_dict(state_dict: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
+    """The groups and per-id state of a torch-layout state dict, as torch writes them.
+
+    Undoes what a round trip through orbax (or another pytree store) does to torch's
+    layout: string ids become ints again, 0-d arrays in the groups Python numbers; lists
+    stay lists (the caller turns them into tuples where its hyperparameters are tuples).
+    """
+    groups = []
+    for saved in state_dict["param_groups"]:
+        group = {k: _python(v) for k, v in saved.items() if k != "params"}
+        group["params"] = [_ids(i) for i in saved["params"]]
+        groups.append(group)
+    return groups, {_ids(k): v for k, v in dict(state_dict["state"]).items()}
+
+
+def _as_tuples(value: Any, like: Any) -> Any:
+    """``value`` with lists turned into tuples where ``like`` (the current value) has tuples."""
+    if isinstance(like, tuple) and isinstance(value, list | tuple) and len(value) == len(like):
+        return tuple(_as_tuples(v, w) for v, w in zip(value, like, strict=True))
+    return value
 
 
 def _same(new: Any, old: Any) -> bool:
@@ -659,14 +722,22 @@ class Optimizer:
     # -- torch's state_dict ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's layout, with NumPy arrays (host copies).
+        """The state in torch's layout, with torch tensors (host copies): torch's own dict.
 
-        ``{"state": {id: {"momentum_buffer": array, …}}, "param_groups": [{"lr": …, …,
+        ``{"state": {id: {"momentum_buffer": tensor, …}}, "param_groups": [{"lr": …, …,
         "params": [ids]}]}``, ids as in the class docstring. A parameter that never
         received a gradient has no entry (except for algorithms torch initializes
-        eagerly, Adagrad). ``step`` appears where torch keeps it: a 0-d float32 array
-        (torch's default scalar dtype) for Adam-like algorithms; SGD keeps none. Load
-        it into a torch optimizer with ``state_dict_to_torch``.
+        eagerly, Adagrad). ``step`` appears where torch keeps it: a 0-d float32 tensor
+        (torch's default scalar dtype) for Adam-like algorithms; SGD keeps none. The
+        groups hold Python values only, like torch's.
+
+        It is what ``torch.optim.<Same>(...).state_dict()`` would be: it loads into the
+        torch optimizer as it is (``torch_opt.load_state_dict(opt.state_dict())``), and
+        ``torch.save`` writes it so that ``torch.load(path)`` reads it back with torch's
+        default ``weights_only=True``. Without torch installed the arrays are NumPy
+        arrays (``state_dict_to_torch`` converts them later). For orbax, store
+        ``state_dict_to_numpy(opt.state_dict())``; ``load_state_dict`` reads back the
+        string ids and lists orbax returns.
 
         Returns:
           The state dict; it can be pickled, and loaded by ``load_state_dict``.
@@ -692,14 +763,14 @@ class Optimizer:
                     entry["step"] = s
                 for n in names:
                     if host[n][j] is not None:
-                        entry[n] = np.array(host[n][j], copy=True)
+                        entry[n] = host[n][j]
                 if entry:
                     state[start + j] = entry
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(steps)))
             groups.append(packed)
             start += len(steps)
-        return {"state": state, "param_groups": groups}
+        return export_state_dict({"state": state, "param_groups": groups}, tensors=_torch_available())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: this class's own, or a real torch one.
@@ -723,8 +794,7 @@ class Optimizer:
             parameter's; torch's message for an invalid hyperparameter. Raised before
             anything changes: the optimizer is untouched after a failed load.
         """
-        saved_groups = list(state_dict["param_groups"])
-        saved_state = dict(state_dict["state"])
+        saved_groups, saved_state = read_state_dict(state_dict)
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(s["params"]) != n for s, n in zip(saved_groups, self._sizes, strict=True)):
@@ -745,7 +815,8 @@ class Optimizer:
         new = []
         for g, group in enumerate(self.param_groups):
             config = {k: v for k, v in group.items() if k != "params"}
-            config.update({k: copy.deepcopy(v) for k, v in saved_groups[g].items() if k != "params"})
+            saved = {k: v for k, v in saved_groups[g].items() if k != "params"}
+            config.update({k: _as_tuples(v, config.get(k)) for k, v in saved.items()})
             candidate = factory(**{k: config[k] for k in self._factory_params})
             fresh = candidate.init(self._params[g])
             same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
@@ -767,7 +838,7 @@ class Optimizer:
         for j, (key, entry) in entries.items():
             loaded = False
             for name, raw in entry.items():
-                value = _to_numpy(raw)
+                value = raw if raw is None else _to_numpy(raw)
                 if name == "step":
                     steps[j] = round(float(np.asarray(value)))
                     continue
@@ -824,11 +895,12 @@ class Optimizer:
 
 
 def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a state dict with every array as a torch tensor, for ``torch.optim``.
+    """A copy of a torch-layout state dict with every array as a torch tensor.
 
-    ``torch.optim.Optimizer.load_state_dict`` needs tensors; this converts the NumPy
-    (or JAX) arrays of ``Optimizer.state_dict()`` — ``step`` stays a 0-d float32
-    tensor, as torch keeps it — and 0-d arrays in ``param_groups`` to Python numbers.
+    ``Optimizer.state_dict()`` already holds torch tensors where torch is installed, so
+    this is needed only for a dict written without torch, or read back from orbax
+    (NumPy arrays, string ids): arrays (NumPy, JAX, torch; inside lists too) become
+    tensors, 0-d arrays in ``param_groups`` Python numbers, string ids ints again.
 
     Args:
       state_dict: a state dict in torch's layout.
@@ -836,26 +908,29 @@ def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
       A new state dict, ready for ``torch_optimizer.load_state_dict``.
     """
-    import torch
+    groups, state = read_state_dict(state_dict)
+    return export_state_dict({"state": state, "param_groups": groups}, tensors=True)
 
-    def tensor(v: Any) -> Any:
-        if isinstance(v, np.ndarray | np.generic | jax.Array):
-            return torch.from_numpy(np.array(v, copy=True))
-        if isinstance(v, list | tuple):  # LBFGS's history lists
-            return type(v)(tensor(x) for x in v)
-        return v
 
-    def number(v: Any) -> Any:
-        if isinstance(v, np.ndarray | np.generic | jax.Array) and np.ndim(v) == 0:
-            return np.asarray(v).item()
-        if isinstance(v, tuple):
-            return tuple(number(x) for x in v)
-        return copy.deepcopy(v)
+def state_dict_to_numpy(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a torch-layout state dict with every array as a NumPy array, for orbax.
 
-    return {
-        "state": {k: {n: tensor(v) for n, v in e.items()} for k, e in state_dict["state"].items()},
-        "param_groups": [{k: number(v) for k, v in g.items()} for g in state_dict["param_groups"]],
-    }
+    orbax's ``PyTreeCheckpointer`` stores NumPy arrays, numbers, strings (``param_names``)
+    and ``None``, but not torch tensors; this converts the tensors (bfloat16 included)
+    and leaves everything else as it is. ``load_state_dict`` takes what orbax restores
+    (string ids, lists for tuples), and ``state_dict_to_torch`` makes a torch dict of it::
+
+        ocp.PyTreeCheckpointer().save(path, state_dict_to_numpy(opt.state_dict()))
+        opt.load_state_dict(ocp.PyTreeCheckpointer().restore(path))
+
+    Args:
+      state_dict: a state dict in torch's layout.
+
+    Returns:
+      A new state dict with NumPy arrays and Python groups.
+    """
+    groups, state = read_state_dict(state_dict)
+    return export_state_dict({"state": state, "param_groups": groups}, tensors=False)
 
 
 def make_optimizer_class(
