@@ -103,7 +103,7 @@ def jax_phase(kind, ckpt_in, start, stop):
 
     import functorch_optim as fo
     from functorch_optim.interop.torch import tree_to_state_dict
-    from functorch_optim.optim import Adam, state_dict_to_torch
+    from functorch_optim.optim import Adam
     from functorch_optim.optim.lr_scheduler import OneCycleLR
 
     ckpt = torch.load(ckpt_in)  # weights_only=True: torch's safe default
@@ -155,7 +155,7 @@ def jax_phase(kind, ckpt_in, start, stop):
         opt.params, opt.state = params, state
     ckpt = {
         "model": tree_to_state_dict(params),
-        "optimizer": state_dict_to_torch(opt.state_dict()),
+        "optimizer": opt.state_dict(),  # torch tensors already
         "scheduler": sched.state_dict(),
         "scaler": scaler.state_dict(sstate),
         "epoch": epoch,

@@ -335,8 +335,6 @@ def _assert_same_run(ours, o_opt, theirs, t_opt, start, steps):
 def test_torch_scheduler_state_dict_resumes_in_ours_and_ours_in_torch(name):
     """torch N steps -> its state dicts (optimizer's and scheduler's) -> ours -> M more: equal to
     torch's uninterrupted run; then ours -> a fresh torch pair, M more: equal again."""
-    from functorch_optim.optim import state_dict_to_torch
-
     adam, make = ALL[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -358,7 +356,7 @@ def test_torch_scheduler_state_dict_resumes_in_ours_and_ours_in_torch(name):
 
         t_opt2 = _torch_opt(adam)
         theirs2 = make(TL, t_opt2)
-        t_opt2.load_state_dict(state_dict_to_torch(o_opt.state_dict()))
+        t_opt2.load_state_dict(o_opt.state_dict())
         theirs2.load_state_dict(ours.state_dict())
         _same_layout(theirs2.state_dict(), ours.state_dict())
         _assert_same_run(ours, o_opt, theirs2, t_opt2, FIRST + THEN, THEN)
