@@ -19,7 +19,14 @@ import torch
 
 import functorch_optim.optim as fo_optim
 from functorch_optim._registry import OPTIMIZERS
-from functorch_optim.optim import state_dict_to_numpy, state_dict_to_torch
+from functorch_optim.interop.torch import (
+    flatten_names,
+    grads_from_module,
+    load_tree_into_module,
+    tree_from_module,
+    tree_to_state_dict,
+)
+from functorch_optim.optim import group_by, state_dict_to_numpy, state_dict_to_torch
 from tests.helpers import rel_err
 
 SPECS = [pytest.param(s, id=s.torch_name) for s in OPTIMIZERS]
@@ -226,3 +233,167 @@ def test_bfloat16_state_comes_out_as_bfloat16_tensors():
     again = fo_optim.Adam(opt.params, lr=0.1)
     again.load_state_dict(sd)
     _assert_same(again, opt)
+
+
+# ---------------------------------------------------------------------------------------
+# parameter identity: named_parameters() order and torch's param_names
+# ---------------------------------------------------------------------------------------
+
+
+def test_tree_from_module_flattens_in_named_parameters_order():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(12)]).double()  # "10" < "2"
+    names = [n for n, _ in model.named_parameters()]
+    tree = tree_from_module(model)
+    assert list(flatten_names(tree)) == names
+    for leaf, p in zip(jax.tree.leaves(tree), model.parameters(), strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf), p.detach().numpy())
+    model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+    grads = grads_from_module(model)
+    assert jax.tree.structure(grads) == jax.tree.structure(tree)
+    assert list(tree_to_state_dict(tree)) == names
+    # a facade over it numbers and names the parameters as torch does
+    opt = fo_optim.SGD(tree, lr=0.1, momentum=0.9)
+    opt.grad = grads
+    opt.step()
+    t_opt = torch.optim.SGD(model.named_parameters(), lr=0.1, momentum=0.9)
+    t_opt.step()
+    ours, theirs = opt.state_dict(), t_opt.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for k, entry in theirs["state"].items():
+        assert torch.equal(ours["state"][k]["momentum_buffer"], entry["momentum_buffer"]), names[k]
+    other = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(12)]).double()
+    load_tree_into_module(other, opt.params)
+    for a, b in zip(other.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class Attention(torch.nn.Module):
+    """Bias-free q/k/v/o projections of one size: a permutation keeps every shape."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        a = torch.softmax(self.q(x) @ self.k(x).T / 2.0, dim=-1)
+        return self.o(a @ self.v(x))
+
+
+def attention_loss(params, x, y):
+    def lin(name, h):
+        return h @ params[name]["weight"].T
+
+    a = jax.nn.softmax(lin("q", x) @ lin("k", x).T / 2.0, axis=-1)
+    return jnp.mean((lin("o", a @ lin("v", x)) - y) ** 2)
+
+
+def _attention(seed=0):
+    torch.manual_seed(seed)
+    return Attention().double()
+
+
+def _batches(n=9):
+    rng = np.random.default_rng(3)
+    return [(rng.standard_normal((5, 4)), rng.standard_normal((5, 4))) for _ in range(n)]
+
+
+def _torch_train(model, t_opt, batches):
+    for x, y in batches:
+        t_opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.tensor(x)), torch.tensor(y)).backward()
+        t_opt.step()
+
+
+def test_qkvo_adam_torch_to_facade_to_torch_equals_one_torch_run():
+    batches = _batches()
+    ref = _attention()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05, foreach=False)
+    _torch_train(ref, ref_opt, batches[:6])
+    at_six = [p.detach().numpy().copy() for p in ref.parameters()]
+    _torch_train(ref, ref_opt, batches[6:])
+
+    # torch, 3 steps (built from named_parameters(): its dict carries param_names)
+    model = _attention()
+    t_opt = torch.optim.Adam(model.named_parameters(), lr=0.05, foreach=False)
+    _torch_train(model, t_opt, batches[:3])
+    # facade, 3 steps, from torch's dict
+    opt = fo_optim.Adam(tree_from_module(model), lr=0.5)
+    assert opt.param_groups[0]["param_names"] == ["q.weight", "k.weight", "v.weight", "o.weight"]
+    opt.load_state_dict(t_opt.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.05
+    for x, y in batches[3:6]:
+        opt.zero_grad()
+        opt.backward(attention_loss, jnp.asarray(x), jnp.asarray(y))
+        opt.step()
+    assert rel_err(jax.tree.leaves(opt.params), at_six) <= 1e-12
+    # torch again, 3 steps, from the facade's dict, built from model.parameters() (no names)
+    back = _attention(seed=1)
+    load_tree_into_module(back, opt.params)
+    back_opt = torch.optim.Adam(back.parameters(), lr=0.5, foreach=False)
+    back_opt.load_state_dict(opt.state_dict())
+    _torch_train(back, back_opt, batches[6:])
+    assert rel_err(_host(back.parameters()), _host(ref.parameters())) <= 1e-12
+
+
+def test_a_permuted_load_is_refused_naming_the_first_differing_name():
+    model = _attention()
+    t_opt = torch.optim.Adam(model.named_parameters(), lr=0.05, foreach=False)
+    _torch_train(model, t_opt, _batches(2))
+    sorted_tree = {name: dict(layer) for name, layer in tree_from_module(model).items()}  # plain dicts
+    opt = fo_optim.Adam(sorted_tree, lr=0.05)
+    assert opt.param_groups[0]["param_names"] == ["k.weight", "o.weight", "q.weight", "v.weight"]
+    before = opt.state_dict()
+    message = (
+        r"parameter 0 of group 0 is 'q\.weight', but this optimizer's parameter at that position "
+        r"is 'k\.weight' \(the same names in another order\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(t_opt.state_dict())
+    assert opt.state_dict() == before  # nothing changed
+    # the other way: the facade's sorted dict into a facade in torch's order
+    opt.grad = jax.tree.map(jnp.ones_like, opt.params)
+    opt.step()
+    ordered = fo_optim.Adam(tree_from_module(model), lr=0.05)
+    with pytest.raises(ValueError, match=r"parameter 0 of group 0 is 'k\.weight', but .* is 'q\.weight'"):
+        ordered.load_state_dict(opt.state_dict())
+    # without names on one side torch's positional rule applies (nothing to compare)
+    unnamed = opt.state_dict()
+    del unnamed["param_groups"][0]["param_names"]
+    ordered.load_state_dict(unnamed)
+    assert ordered.param_groups[0]["param_names"] == ["q.weight", "k.weight", "v.weight", "o.weight"]
+
+
+def test_param_names_follow_torchs_rules():
+    w, b = jnp.ones((2, 2)), jnp.zeros(2)
+    assert "param_names" not in fo_optim.SGD([w, b], lr=0.1).param_groups[0]  # model.parameters()
+    assert fo_optim.SGD({"w": w, "b": b}, lr=0.1).param_groups[0]["param_names"] == ["b", "w"]
+    grouped = fo_optim.SGD(group_by({"enc": {"w": w, "b": b}}, {"where": "b$", "lr": 0.5}), lr=0.1)
+    assert [g["param_names"] for g in grouped.param_groups] == [["enc.b"], ["enc.w"]]
+    mixed = fo_optim.SGD([{"params": {"w": w}}, {"params": [b]}], lr=0.1)  # names for all groups or none
+    assert all("param_names" not in g for g in mixed.param_groups)
+    given = fo_optim.SGD([{"params": [w, b], "param_names": ["fc.weight", "fc.bias"]}], lr=0.1)
+    assert given.state_dict()["param_groups"][0]["param_names"] == ["fc.weight", "fc.bias"]
+    with pytest.raises(ValueError, match="param_names of parameter group 0 has 1 names for 2 parameters"):
+        fo_optim.SGD([{"params": [w, b], "param_names": ["fc.weight"]}], lr=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"all optimizer param groups should be with/without names\. cannot add param group "
+        "without names to the optimizer",
+    ):
+        fo_optim.SGD([{"params": [w], "param_names": ["w"]}, {"params": [b]}], lr=0.1)
+    with pytest.raises(ValueError, match="cannot add param group without names to the optimizer"):
+        given.add_param_group({"params": [jnp.ones(3)]})
+    # derived names are dropped when a group without names joins; kept when it has them
+    opt = fo_optim.SGD([{"params": {"w": w}}], lr=0.1)
+    opt.add_param_group({"params": {"b": b}})
+    assert [g["param_names"] for g in opt.param_groups] == [["w"], ["b"]]
+    opt.add_param_group({"params": [jnp.ones(3)]})
+    assert all("param_names" not in g for g in opt.param_groups)
+    # a loaded dict's names replace none (torch's rule); no names in the dict keep ours
+    unnamed = fo_optim.SGD([w, b], lr=0.1)
+    unnamed.load_state_dict(given.state_dict())
+    assert unnamed.param_groups[0]["param_names"] == ["fc.weight", "fc.bias"]
+    named = fo_optim.SGD({"w": w, "b": b}, lr=0.1)
+    named.load_state_dict(fo_optim.SGD([w, b], lr=0.2).state_dict())
+    assert named.param_groups[0]["param_names"] == ["b", "w"] and named.param_groups[0]["lr"] == 0.2

@@ -1,13 +1,14 @@
 """torch module weights ↔ nested JAX pytrees, by names.
 
 A torch module names its tensors with dotted paths (``"encoder.0.weight"``); here they
-become nested dicts (``{"encoder": {"0": {"weight": ...}}}``) of JAX arrays, and back.
+become nested ``OrderedDict`` s (``{"encoder": {"0": {"weight": ...}}}``) of JAX arrays,
+which JAX flattens in torch's ``named_parameters()`` order, and back.
 Start a JAX port and its torch reference from identical weights, compare gradients or
 trained weights leaf by leaf, or load JAX-trained weights into the torch module::
 
     from functorch_optim.interop.torch import tree_from_module, load_tree_into_module
 
-    params = tree_from_module(model)        # named_parameters() -> nested dict
+    params = tree_from_module(model)        # named_parameters() -> nested OrderedDict
     ...                                     # train with functorch_optim
     load_tree_into_module(model, params)    # and back, by name
 
@@ -40,15 +41,21 @@ __all__ = [
 SEP = "."
 
 
-def unflatten_names(flat: Mapping[str, Any], sep: str = SEP) -> dict[str, Any]:
-    """A flat ``{"a.b.c": x}`` mapping as nested dicts ``{"a": {"b": {"c": x}}}``.
+def unflatten_names(flat: Mapping[str, Any], sep: str = SEP) -> OrderedDict[str, Any]:
+    """A flat ``{"a.b.c": x}`` mapping as nested ``OrderedDict`` s ``{"a": {"b": {"c": x}}}``.
+
+    ``OrderedDict`` because JAX flattens it in insertion order (a plain ``dict`` in sorted
+    key order: ``"0.bias"`` before ``"0.weight"``, ``"10"`` before ``"2"``), so
+    ``jax.tree.leaves`` of the result lists the values in ``flat``'s order whenever the
+    names sharing a prefix are contiguous there, as ``model.named_parameters()`` and
+    ``model.state_dict()`` list them.
 
     Args:
       flat: names to values; names are split on ``sep``.
       sep: the separator, default ``"."`` (torch's).
 
     Returns:
-      Nested dicts in the order the names first appear.
+      Nested ``OrderedDict`` s in the order the names first appear.
 
     Raises:
       ValueError: when a name is both a value and a prefix of another name
@@ -56,17 +63,19 @@ def unflatten_names(flat: Mapping[str, Any], sep: str = SEP) -> dict[str, Any]:
 
     Examples:
       >>> from functorch_optim.interop.torch import unflatten_names
-      >>> unflatten_names({"fc.weight": 1, "fc.bias": 2, "scale": 3})
-      {'fc': {'weight': 1, 'bias': 2}, 'scale': 3}
+      >>> import jax
+      >>> tree = unflatten_names({"fc.weight": 1, "fc.bias": 2, "scale": 3})
+      >>> tree["fc"]["bias"], jax.tree.leaves(tree)
+      (2, [1, 2, 3])
     """
-    out: dict[str, Any] = {}
+    out: OrderedDict[str, Any] = OrderedDict()
     owner: dict[tuple[str, ...], str] = {}
     for name, value in flat.items():
         parts = name.split(sep)
         node = out
         for i, part in enumerate(parts[:-1]):
             prefix = tuple(parts[: i + 1])
-            child = node.setdefault(part, {})
+            child = node.setdefault(part, OrderedDict())
             if not isinstance(child, dict) or prefix in owner:
                 raise ValueError(
                     f"name {name!r} lies under {sep.join(prefix)!r}, which is itself a value; "
@@ -154,8 +163,13 @@ def _to_jax(tensor: Any, dtype: Any) -> jax.Array:
 
 def tree_from_module(
     module: Any, *, buffers: bool = False, dtype: Any = None, sep: str = SEP
-) -> dict[str, Any]:
-    """A torch module's ``named_parameters()`` as a nested dict of JAX arrays.
+) -> OrderedDict[str, Any]:
+    """A torch module's ``named_parameters()`` as nested ``OrderedDict`` s of JAX arrays.
+
+    The tree flattens (``jax.tree.leaves``) in ``named_parameters()`` order, so an
+    optimizer built from it numbers the parameters as ``torch.optim.X(model.parameters())``
+    does: the facade's ``state_dict()`` ids and ``param_names`` are torch's, and state
+    dicts move between the two without reordering.
 
     Args:
       module: a ``torch.nn.Module``.
@@ -165,16 +179,19 @@ def tree_from_module(
       sep: the name separator, default ``"."``.
 
     Returns:
-      Nested dicts by name parts, of JAX arrays (copies).
+      Nested ``OrderedDict`` s by name parts, of JAX arrays (copies); with ``buffers``,
+      the parameters keep ``named_parameters()`` order among themselves.
 
     Examples:
-      >>> import torch
-      >>> from functorch_optim.interop.torch import tree_from_module
+      >>> import jax, torch
+      >>> from functorch_optim.interop.torch import flatten_names, tree_from_module
       >>> _ = torch.manual_seed(0)
       >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
       >>> params = tree_from_module(model)
       >>> {k: {n: v.shape for n, v in layer.items()} for k, layer in params.items()}
       {'0': {'weight': (2, 3), 'bias': (2,)}, '2': {'weight': (1, 2), 'bias': (1,)}}
+      >>> list(flatten_names(params)) == [n for n, _ in model.named_parameters()]
+      True
     """
     named = OrderedDict((n, _to_jax(p, dtype)) for n, p in module.named_parameters())
     if buffers:
@@ -184,7 +201,7 @@ def tree_from_module(
 
 def tree_from_state_dict(
     state_dict: Mapping[str, Any], *, dtype: Any = None, sep: str = SEP
-) -> dict[str, Any]:
+) -> OrderedDict[str, Any]:
     """A torch ``state_dict()`` (parameters and buffers) as a nested dict of JAX arrays.
 
     Args:
@@ -193,7 +210,8 @@ def tree_from_state_dict(
       sep: the name separator, default ``"."``.
 
     Returns:
-      Nested dicts of JAX arrays; integer buffers (``num_batches_tracked``) stay integer.
+      Nested ``OrderedDict`` s of JAX arrays in the state dict's order; integer buffers
+      (``num_batches_tracked``) stay integer.
 
     Examples:
       >>> import torch
@@ -287,7 +305,7 @@ def load_tree_into_module(module: Any, tree: PyTree, *, strict: bool = True, sep
     return module
 
 
-def grads_from_module(module: Any, *, dtype: Any = None, sep: str = SEP) -> dict[str, Any]:
+def grads_from_module(module: Any, *, dtype: Any = None, sep: str = SEP) -> OrderedDict[str, Any]:
     """The ``.grad`` of every parameter of a torch module, as a nested dict.
 
     A parameter whose ``.grad`` is ``None`` gives a ``None`` leaf, which this package's
@@ -299,7 +317,7 @@ def grads_from_module(module: Any, *, dtype: Any = None, sep: str = SEP) -> dict
       sep: the name separator, default ``"."``.
 
     Returns:
-      Nested dicts shaped like ``tree_from_module(module)``.
+      Nested ``OrderedDict`` s with ``tree_from_module(module)``'s structure.
 
     Examples:
       >>> import torch

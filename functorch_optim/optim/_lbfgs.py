@@ -19,9 +19,11 @@ from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
 from functorch_optim._tree import PyTree, check_params
 from functorch_optim.interop.torch import _to_numpy
 from functorch_optim.optim._optimizer import (
+    Optimizer,
     _as_tuples,
     _same,
     _torch_available,
+    check_names,
     export_state_dict,
     read_state_dict,
 )
@@ -57,7 +59,8 @@ class LBFGS:
     arguments, names and defaults (``max_eval=None`` becomes ``max_iter * 5 // 4``, as
     torch stores it). ``params`` is one pytree of floating point arrays (copied);
     ``opt.params`` returns the current ones. Parameter order (torch's numbering, the
-    flat vectors' layout) is ``jax.tree.leaves`` order.
+    flat vectors' layout) is ``jax.tree.leaves`` order; parameter names
+    (``param_names``) and their check on loading are ``Optimizer``'s.
 
     The one difference from torch is the closure. torch's closure re-evaluates the
     model and calls ``loss.backward()``; here it must be a pure, jittable function of
@@ -130,16 +133,21 @@ class LBFGS:
         ):
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
-            config.update({k: v for k, v in params[0].items() if k != "params"})
+            overrides = {k: v for k, v in params[0].items() if k != "params"}
             params = params[0]["params"]
+        else:
+            overrides = {}
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
         check_params(params)
+        (names,), _ = Optimizer._resolve_names([params], [overrides], [Optimizer._tree_names(params)])
+        config.update({k: v for k, v in overrides.items() if k != "param_names"})
         tx = lbfgs(**config)
         self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         self._tx = tx
         self._state = _own(tx.init(self._params))
-        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **config}]
+        named = {} if names is None else {"param_names": names}
+        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **named, **config}]
         self._applied = dict(config)
 
     # -- parameters and state -------------------------------------------------------------
@@ -291,6 +299,7 @@ class LBFGS:
                 "that doesn't match the size of optimizer's group"
             )
         first = saved["params"][0]
+        check_names(0, saved, self.param_groups[0].get("param_names"))
         entry = entries.get(first, {})
         config = {k: self.param_groups[0][k] for k in _ARGS}
         config.update({k: _as_tuples(saved[k], config[k]) for k in _ARGS if k in saved})

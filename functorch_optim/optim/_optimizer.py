@@ -102,6 +102,18 @@ def path_name(path: tuple) -> str:
     return ".".join(parts)
 
 
+def _leaf_names(paths: Sequence[tuple]) -> list[str] | None:
+    """torch's ``param_names`` for leaves at these key paths, or None when they have none.
+
+    A leaf is named when its path holds a dict key or an attribute (``"0.weight"``,
+    ``"enc.w"``); a bare list or tuple of arrays (torch's ``model.parameters()``) is not.
+    """
+    named = (jax.tree_util.DictKey, jax.tree_util.GetAttrKey)
+    if all(any(isinstance(k, named) for k in path) for path in paths):
+        return [path_name(path) for path in paths]
+    return None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GroupedParams:
     """One pytree split into parameter groups; built by ``group_by``, passed as ``params``.
@@ -304,6 +316,40 @@ def read_state_dict(state_dict: Mapping[str, Any]) -> tuple[list[dict[str, Any]]
     return groups, {_ids(k): v for k, v in dict(state_dict["state"]).items()}
 
 
+def check_names(g: int, saved: Mapping[str, Any], ours: Sequence[str] | None) -> None:
+    """Refuse a saved group whose ``param_names`` differ from this group's, position by position.
+
+    Args:
+      g: the group's index.
+      saved: the saved group (torch's layout: ``params`` ids, maybe ``param_names``).
+      ours: this optimizer's names for the group's parameters, or None without names.
+
+    Raises:
+      ValueError: naming the first id whose saved name differs from ours.
+    """
+    theirs = saved.get("param_names")
+    if theirs is None:
+        return
+    if not isinstance(theirs, list | tuple) or len(theirs) != len(saved["params"]):
+        raise ValueError(
+            f"loaded state dict: param_names of parameter group {g} must be a list of "
+            f"{len(saved['params'])} names, one per id, got {theirs!r}"
+        )
+    if ours is None:
+        return
+    for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        if a != b:
+            order = " (the same names in another order)" if sorted(theirs) == sorted(ours) else ""
+            raise ValueError(
+                f"loaded state dict: parameter {saved['params'][j]!r} of group {g} is {a!r}, but "
+                f"this optimizer's parameter at that position is {b!r}{order}; ids match by "
+                "position, so its state would load into another parameter. Give the optimizer "
+                "its parameters in the saved order (interop.torch.tree_from_module(model) "
+                "follows model.named_parameters()), or remove 'param_names' from the dict's "
+                "groups to load by position regardless"
+            )
+
+
 def _as_tuples(value: Any, like: Any) -> Any:
     """``value`` with lists turned into tuples where ``like`` (the current value) has tuples."""
     if isinstance(like, tuple) and isinstance(value, list | tuple) and len(value) == len(like):
@@ -365,7 +411,18 @@ class Optimizer:
 
     Parameter order (the integer ids of ``state_dict()``, torch's numbering): group by
     group in ``param_groups`` order; within a group, ``jax.tree.leaves`` order of its
-    parameters. For one pytree, id ``i`` is ``jax.tree.leaves(params)[i]``.
+    parameters. For one pytree, id ``i`` is ``jax.tree.leaves(params)[i]``. Build the
+    parameters with ``interop.torch.tree_from_module(model)`` (it flattens in
+    ``model.named_parameters()`` order) and the ids are those of
+    ``torch.optim.X(model.parameters())``; a plain ``dict`` flattens in sorted key order
+    (``"0.bias"`` before ``"0.weight"``), which torch's numbering is not.
+
+    Parameter names (torch's ``param_names`` entry of a group, which torch writes when
+    built from ``model.named_parameters()``): a group whose parameters all sit under
+    dict keys or attributes is named by their dotted paths (``"0.weight"``; under
+    ``group_by``, paths in the whole tree); a group dict may give ``"param_names"``
+    itself. A bare list of arrays has none, and names are kept only while every group
+    has them. ``load_state_dict`` compares the names where both sides have them.
 
     Attributes:
       param_groups: a list of dicts, one per group: ``"params"`` (that group's current
@@ -408,15 +465,16 @@ class Optimizer:
             raise TypeError("Optimizer is abstract; make a class with make_optimizer_class(factory)")
         self.defaults = dict(defaults)
         self._factory_params = tuple(p.name for p in _factory_parameters(factory))
-        layout, trees, overrides = self._split(params)
+        layout, trees, overrides, derived = self._split(params)
         for i, over in enumerate(overrides):
             self._check_keys(i, over)
         for tree in trees:
             check_params(tree)
         self._check_duplicates(trees)
+        names, self._explicit_names = self._resolve_names(trees, overrides, derived)
         txs, groups, algorithms = [], [], []
         for over in overrides:
-            config = {**self.defaults, **over}
+            config = {**self.defaults, **{k: v for k, v in over.items() if k != "param_names"}}
             tx = factory(**{k: config[k] for k in self._factory_params})
             algorithms.append(_algorithm_of(tx, factory))
             txs.append(tx)
@@ -433,7 +491,8 @@ class Optimizer:
         self._grads_all_none = True
         self._sizes = [len(jax.tree.leaves(tree)) for tree in self._params]
         self.param_groups: list[dict[str, Any]] = [
-            {"params": tree, **config} for tree, config in zip(self._params, groups, strict=True)
+            {"params": tree, **({} if n is None else {"param_names": n}), **config}
+            for tree, n, config in zip(self._params, names, groups, strict=True)
         ]
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
 
@@ -478,14 +537,30 @@ class Optimizer:
         self._check_keys(len(self.param_groups), overrides)
         tree = param_group["params"]
         check_params(tree)
+        named = "param_names" in self.param_groups[0]
+        names, explicit = self._resolve_names(
+            [tree], [overrides], [self._tree_names(tree) if named or "param_names" in overrides else None]
+        )
+        if (names[0] is not None) != named:
+            if explicit or self._explicit_names:
+                kind = "with" if names[0] is not None else "without"
+                raise ValueError(
+                    "all optimizer param groups should be with/without names. "
+                    f"cannot add param group {kind} names to the optimizer"
+                )
+            names = [None]  # names derived from paths are kept only while every group has them
         held = {id(x) for t in self._params for x in jax.tree.leaves(t)}
         self._check_duplicates([tree])
         if any(id(x) in held for x in jax.tree.leaves(tree)):
             raise ValueError("some parameters appear in more than one parameter group")
         factory = type(self).factory
-        config = {**self.defaults, **overrides}
+        config = {**self.defaults, **{k: v for k, v in overrides.items() if k != "param_names"}}
         tx = factory(**{k: config[k] for k in self._factory_params})
         algorithm = _algorithm_of(tx, factory)
+        if named and names[0] is None:
+            for group in self.param_groups:
+                del group["param_names"]
+        self._explicit_names = self._explicit_names or explicit
         params = jax.tree.map(_copy_leaf, tree)
         state = tx.init(params)
         self._layout = _Layout("groups", len(self.param_groups) + 1)
@@ -497,16 +572,25 @@ class Optimizer:
         self._none_grads.append(jax.tree.map(lambda _: None, params))
         self._grads.append(self._none_grads[-1])
         self._sizes.append(len(jax.tree.leaves(params)))
-        self.param_groups.append({"params": params, **config})
+        self.param_groups.append(
+            {"params": params, **({} if names[0] is None else {"param_names": names[0]}), **config}
+        )
         self._applied.append({k: config[k] for k in self._factory_params})
 
     @staticmethod
-    def _split(params: Any) -> tuple[_Layout, list[PyTree], list[dict[str, Any]]]:
+    def _split(params: Any) -> tuple[_Layout, list[PyTree], list[dict[str, Any]], list[list[str] | None]]:
+        """The layout, the groups' trees, their overrides and their leaves' names (or None)."""
         if isinstance(params, GroupedParams):
             n = len(params.overrides)
             treedef = jax.tree.structure(params.tree)
             layout = _Layout("partition", n, treedef, params.owner)
-            return layout, list(layout.to_groups(params.tree)), [dict(o) for o in params.overrides]
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params.tree)[0]]
+            names = _leaf_names(paths)
+            per_group = [
+                None if names is None else [m for m, o in zip(names, params.owner, strict=True) if o == g]
+                for g in range(n)
+            ]
+            return layout, list(layout.to_groups(params.tree)), [dict(o) for o in params.overrides], per_group
         is_group_list = (
             isinstance(params, list | tuple)
             and len(params) > 0
@@ -517,10 +601,51 @@ class Optimizer:
             overrides = [{k: v for k, v in g.items() if k != "params"} for g in params]
             if not any(jax.tree.leaves(t) for t in trees):
                 raise ValueError("optimizer got an empty parameter list")
-            return _Layout("groups", len(trees)), trees, overrides
+            names = [Optimizer._tree_names(t) for t in trees]
+            return _Layout("groups", len(trees)), trees, overrides, names
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
-        return _Layout("tree"), [params], [{}]
+        return _Layout("tree"), [params], [{}], [Optimizer._tree_names(params)]
+
+    @staticmethod
+    def _tree_names(tree: PyTree) -> list[str] | None:
+        return _leaf_names([p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]])
+
+    @staticmethod
+    def _resolve_names(
+        trees: Sequence[PyTree], overrides: Sequence[Mapping[str, Any]], derived: Sequence[list[str] | None]
+    ) -> tuple[list[list[str] | None], bool]:
+        """Every group's ``param_names``, for all groups or none, and whether the user gave them.
+
+        A group's ``"param_names"`` entry wins over the names of its tree's paths. Derived
+        names are dropped unless every group has names; names the user gave must be given
+        for every group (torch's rule for groups with and without names).
+        """
+        names: list[list[str] | None] = []
+        for g, (tree, over, own) in enumerate(zip(trees, overrides, derived, strict=True)):
+            if "param_names" not in over:
+                names.append(own)
+                continue
+            given, n = over["param_names"], len(jax.tree.leaves(tree))
+            if not isinstance(given, list | tuple) or not all(isinstance(x, str) for x in given):
+                raise ValueError(
+                    f"param_names of parameter group {g} must be a list of strings, got {given!r}"
+                )
+            if len(given) != n:
+                raise ValueError(
+                    f"param_names of parameter group {g} has {len(given)} names for {n} parameters"
+                )
+            names.append(list(given))
+        explicit = any("param_names" in over for over in overrides)
+        if all(x is not None for x in names):
+            return names, explicit
+        if explicit:
+            kind = "without" if names[0] is not None else "with"
+            raise ValueError(
+                "all optimizer param groups should be with/without names. "
+                f"cannot add param group {kind} names to the optimizer"
+            )
+        return [None] * len(names), False
 
     @staticmethod
     def _check_duplicates(trees: Sequence[PyTree]) -> None:
@@ -775,11 +900,15 @@ class Optimizer:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: this class's own, or a real torch one.
 
-        Accepts ``state_dict()``'s output and ``torch.optim.<Same>(...).state_dict()``
-        holding torch tensors. Like torch, saved ids are matched to this optimizer's
-        parameters by position, group by group; the saved groups' hyperparameters
-        replace the current ones (extra keys such as ``initial_lr`` are kept). A
-        parameter without an entry gets fresh state. ``count`` becomes the largest
+        Accepts ``state_dict()``'s output, ``torch.optim.<Same>(...).state_dict()``
+        holding torch tensors, and either after ``torch.save``/``torch.load``, pickle or
+        orbax (string ids, lists for tuples, NumPy arrays). Like torch, saved ids are
+        matched to this optimizer's parameters by position, group by group; where the
+        saved group and this one both have ``param_names``, they must agree position by
+        position (a permuted dict is refused instead of loading each state into another
+        parameter); saved names replace missing ones, as in torch. The saved groups'
+        hyperparameters replace the current ones (extra keys such as ``initial_lr`` are
+        kept). A parameter without an entry gets fresh state. ``count`` becomes the largest
         per-parameter ``step``; for SGD, whose torch state has no ``step``, a parameter
         with a momentum buffer resumes as already stepped (all SGD's rule reads).
 
@@ -789,7 +918,8 @@ class Optimizer:
         Raises:
           ValueError: ``loaded state dict has a different number of parameter groups``,
             ``loaded state dict contains a parameter group that doesn't match the size
-            of optimizer's group`` (torch's texts); state for an id no group lists; a
+            of optimizer's group`` (torch's texts); a saved parameter name that differs
+            from this optimizer's at its position (naming both); state for an id no group lists; a
             buffer this optimizer does not keep; a buffer whose shape differs from the
             parameter's; torch's message for an invalid hyperparameter. Raised before
             anything changes: the optimizer is untouched after a failed load.
@@ -802,6 +932,8 @@ class Optimizer:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
+        for g, saved in enumerate(saved_groups):
+            check_names(g, saved, self.param_groups[g].get("param_names"))
         id_map = {sid: (g, j) for g, s in enumerate(saved_groups) for j, sid in enumerate(s["params"])}
         entries: list[dict[int, tuple[Any, Mapping[str, Any]]]] = [{} for _ in saved_groups]
         for key, value in saved_state.items():
