@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import OrderedDict
 
 LR, MAX_LR, TOTAL = 1e-3, 0.05, 40
 SCALER = dict(init_scale=2.0**8, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
@@ -102,13 +101,12 @@ def jax_phase(kind, ckpt_in, start, stop):
     import torch
 
     import functorch_optim as fo
-    from functorch_optim.interop.torch import tree_to_state_dict
+    from functorch_optim.interop.torch import flatten_names, tree_from_state_dict, tree_to_state_dict
     from functorch_optim.optim import Adam
     from functorch_optim.optim.lr_scheduler import OneCycleLR
 
     ckpt = torch.load(ckpt_in)  # weights_only=True: torch's safe default
-    # flat, in the state dict's (named_parameters) order: the facade's ids are torch's
-    params = OrderedDict((n, jnp.asarray(t.numpy())) for n, t in ckpt["model"].items())
+    params = tree_from_state_dict(ckpt["model"])  # flattens in named_parameters() order: torch's ids
     opt = Adam(params, lr=LR)
     sched = OneCycleLR(opt, MAX_LR, total_steps=TOTAL)
     opt.load_state_dict(ckpt["optimizer"])
@@ -118,7 +116,7 @@ def jax_phase(kind, ckpt_in, start, stop):
     epoch = ckpt["epoch"]
 
     def scaled_loss(p, x, y, sc):
-        loss = mse(p, x, y)
+        loss = mse(flatten_names(p), x, y)
         return scaler.scale(sc, loss), loss
 
     grad_fn = jax.jit(jax.grad(scaled_loss, has_aux=True))
@@ -160,7 +158,7 @@ def jax_phase(kind, ckpt_in, start, stop):
         "scaler": scaler.state_dict(sstate),
         "epoch": epoch,
     }
-    return ckpt, losses, {n: np.asarray(v).tolist() for n, v in params.items()}
+    return ckpt, losses, {n: np.asarray(v).tolist() for n, v in flatten_names(params).items()}
 
 
 def main(argv):
