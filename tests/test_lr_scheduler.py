@@ -255,21 +255,28 @@ def test_eager_lambdas_inside_sequential_and_chained_like_torch():
     def warm(epoch):
         return float(epoch) / 3 if epoch < 3 else 1.0
 
-    def cases(M, o):
+    def cases(M, o, calls):
+        warm_ = _recording(warm, calls)
         return {
-            "SequentialLR": lambda: M.SequentialLR(o, [M.LambdaLR(o, warm), M.ExponentialLR(o, 0.9)], [3]),
+            "SequentialLR": lambda: M.SequentialLR(
+                o, [M.LambdaLR(o, warm_), M.ExponentialLR(o, 0.9), M.LambdaLR(o, warm_)], [3, 6]
+            ),
             "ChainedScheduler": lambda: M.ChainedScheduler(
-                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm, warm])]
+                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm_, warm_])]
             ),
         }
 
     for name in ["SequentialLR", "ChainedScheduler"]:
         topt, opt = _pair()
+        theirs, ours_calls = [], []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref, ours = cases(TL, topt)[name](), cases(L, opt)[name]()
+            ref, ours = cases(TL, topt, theirs)[name](), cases(L, opt, ours_calls)[name]()
+            # (construction rebuilds the sub-schedules from their specs: more calls than torch's)
+            del theirs[:], ours_calls[:]
             for t in range(12):
                 assert ours.get_last_lr() == ref.get_last_lr(), (name, t)
                 topt.step()
                 ref.step()
                 ours.step()
+        assert ours_calls == theirs and len(theirs) > 12, name  # only the active scheduler's, as torch

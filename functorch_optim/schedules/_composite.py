@@ -147,6 +147,15 @@ class _SequentialLR(_Spec):
 
     def step(self, group, st, is_initial=False):
         e = st["last_epoch"] + 1
+        if self.eager:  # torch's step: only the active scheduler runs (the user's lambdas)
+            i = bisect.bisect_right(self.milestones, int(e))
+            spec, sub = self.specs[i], st["subs"][i]
+            if i > 0 and self.milestones[i - 1] == int(e):
+                group, sub = spec.update_lr(group, sub, 0)
+            else:
+                group, sub = spec.step(group, sub)
+            subs = (*st["subs"][:i], sub, *st["subs"][i + 1 :])
+            return group, {"last_epoch": e, "subs": subs}
         ms = jnp.asarray(self.milestones if self.milestones else [2**31 - 1], jnp.int32)
         idx = jnp.searchsorted(ms, e, side="right") if self.milestones else jnp.int32(0)
         groups, states = [], []
