@@ -289,7 +289,11 @@ class SWALR(LRScheduler):
 
 
 class CyclicLR(LRScheduler):
-    """``torch.optim.lr_scheduler.CyclicLR`` (see ``schedules.cyclic_lr``); cycles momentum/beta1."""
+    """``torch.optim.lr_scheduler.CyclicLR`` (see ``schedules.cyclic_lr``); cycles momentum/beta1.
+
+    A custom ``scale_fn`` is called eagerly with a Python int, as torch does (any Python
+    code works, as for :class:`LambdaLR`).
+    """
 
     def __init__(
         self,
@@ -311,6 +315,7 @@ class CyclicLR(LRScheduler):
             base_lr, max_lr, step_size_up, step_size_down, mode, gamma, scale_fn, scale_mode,
             cycle_momentum, base_momentum, max_momentum, lr=_lrs(optimizer),
         )  # fmt: skip
+        sched._spec.eager = scale_fn is not None  # torch calls scale_fn with a Python number
         super().__init__(optimizer, sched, last_epoch)
 
 

@@ -280,3 +280,18 @@ def test_eager_lambdas_inside_sequential_and_chained_like_torch():
                 ref.step()
                 ours.step()
         assert ours_calls == theirs and len(theirs) > 12, name  # only the active scheduler's, as torch
+
+
+def test_cyclic_lr_calls_a_python_scale_fn_eagerly_like_torch():
+    def scale_fn(x):  # Python control flow on the cycle, as torch allows
+        return 1.0 if x < 2 else 0.5 / float(x)
+
+    topt, opt = _pair()
+    ref = TL.CyclicLR(topt, 0.01, 0.1, 3, scale_fn=scale_fn)
+    ours = L.CyclicLR(opt, 0.01, 0.1, 3, scale_fn=scale_fn)
+    for t in range(20):
+        assert ours.get_last_lr() == ref.get_last_lr(), t
+        assert _momenta(opt) == _momenta(topt), t
+        topt.step()
+        ref.step()
+        ours.step()

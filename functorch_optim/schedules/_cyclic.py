@@ -39,6 +39,8 @@ class _CyclicLR(_Spec):
         self.base_momentum, self.max_momentum = base_momentum, max_momentum
 
     def scale_fn(self, x):
+        if self.custom is not None and self.eager:  # the facade: a Python int, as torch
+            return _f(self.custom(int(x)))
         if self.custom is not None:
             return _f(self.custom(jnp.asarray(x, jnp.result_type(int))))  # int64 under x64, as lambda_lr
         if self.mode == "triangular":
