@@ -7,7 +7,6 @@ parameter.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +18,20 @@ from jax.flatten_util import ravel_pytree
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._lbfgs import LBFGSState, _lbfgs_eager_step, lbfgs, lbfgs_step
 from functorch_optim._tree import PyTree, check_params, is_none
-from functorch_optim.optim._optimizer import _BACKWARD, _checked_grad, _Layout, _same, closure_takes_params
+from functorch_optim.interop.torch import _to_numpy
+from functorch_optim.optim._optimizer import (
+    _BACKWARD,
+    Optimizer,
+    _as_tuples,
+    _checked_grad,
+    _Layout,
+    _same,
+    _torch_available,
+    check_names,
+    closure_takes_params,
+    export_state_dict,
+    read_state_dict,
+)
 
 #: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
 _ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
@@ -35,19 +47,13 @@ def _run(tx, closure, params, state):
 _STEP = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2, 3))
 
 
-def _np(x: Any) -> Any:
-    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
-
-
 def _own(tree: PyTree) -> PyTree:
     # distinct buffers per leaf (init shares its zeros), as donation requires
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 def _scalar(x: Any) -> float:
-    return float(_np(x))
+    return float(_to_numpy(x))
 
 
 class LBFGS:
@@ -58,7 +64,8 @@ class LBFGS:
     arguments, names and defaults (``max_eval=None`` becomes ``max_iter * 5 // 4``, as
     torch stores it). ``params`` is one pytree of floating point arrays (copied);
     ``opt.params`` returns the current ones. Parameter order (torch's numbering, the
-    flat vectors' layout) is ``jax.tree.leaves`` order.
+    flat vectors' layout) is ``jax.tree.leaves`` order; parameter names
+    (``param_names``) and their check on loading are ``Optimizer``'s.
 
     ``step(closure)`` takes either closure, told apart by its signature (see
     ``functorch_optim.optim.closure_takes_params``):
@@ -67,7 +74,7 @@ class LBFGS:
       opt.backward(loss_fn, x, y); return loss``. The step then runs torch's algorithm
       with Python control flow, setting the parameters and calling the closure exactly
       when and as often as torch does (same ``n_iter`` and ``func_evals``); the
-      arithmetic in between is JAX's, the two-loop recursion jitted once.
+      bookkeeping in between is NumPy float64, the two-loop recursion jitted once.
     * a pure, jittable ``closure(params) -> loss``, whose gradient comes from
       ``jax.value_and_grad``: the whole ``step(closure)`` (up to ``max_iter``
       iterations, the line search included) is one jitted call, compiled once per
@@ -144,17 +151,22 @@ class LBFGS:
         ):
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
-            config.update({k: v for k, v in params[0].items() if k != "params"})
+            overrides = {k: v for k, v in params[0].items() if k != "params"}
             params = params[0]["params"]
+        else:
+            overrides = {}
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
         check_params(params)
+        (names,), _ = Optimizer._resolve_names([params], [overrides], [Optimizer._tree_names(params)])
+        config.update({k: v for k, v in overrides.items() if k != "param_names"})
         tx = lbfgs(**config)
         self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         self._tx = tx
         self._state = _own(tx.init(self._params))
         self._grads: PyTree = jax.tree.map(lambda _: None, self._params)
-        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **config}]
+        named = {} if names is None else {"param_names": names}
+        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **named, **config}]
         self._applied = dict(config)
 
     # -- parameters and state -------------------------------------------------------------
@@ -323,7 +335,7 @@ class LBFGS:
         return entry
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's ``LBFGS`` layout, with NumPy arrays and Python numbers.
+        """The state in torch's ``LBFGS`` layout, with torch tensors and Python numbers.
 
         ``{"state": {0: {...}}, "param_groups": [{"lr": …, …, "params": [0, 1, …]}]}``:
         torch keeps LBFGS's global state under its first parameter: ``func_evals``,
@@ -331,7 +343,9 @@ class LBFGS:
         ``old_stps``, ``ro`` (lists, oldest first), ``H_diag`` (``1`` until a pair is
         stored, then a 0-d array), ``prev_flat_grad``, ``prev_loss`` (float); from the
         second iteration on ``al`` (torch's scratch list, recomputed). Empty before the
-        first step. Load it into ``torch.optim.LBFGS`` with ``state_dict_to_torch``.
+        first step. It loads into ``torch.optim.LBFGS`` as it is, and ``torch.load``
+        reads what ``torch.save`` writes of it with ``weights_only=True`` (without torch
+        installed: NumPy arrays, see ``Optimizer.state_dict``).
 
         Returns:
           The state dict; it can be pickled, and loaded by ``load_state_dict``.
@@ -339,7 +353,8 @@ class LBFGS:
         entry = self._torch_entry()
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(jax.tree.leaves(self._params))))
-        return {"state": {0: entry} if entry else {}, "param_groups": [group]}
+        sd = {"state": {0: entry} if entry else {}, "param_groups": [group]}
+        return export_state_dict(sd, tensors=_torch_available())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: this class's own or ``torch.optim.LBFGS``'s.
@@ -359,7 +374,7 @@ class LBFGS:
             parameters' or a history longer than ``history_size``. Nothing changes when
             it raises.
         """
-        groups = list(state_dict["param_groups"])
+        groups, entries = read_state_dict(state_dict)
         if len(groups) != 1:
             raise ValueError("loaded state dict has a different number of parameter groups")
         saved = groups[0]
@@ -368,15 +383,15 @@ class LBFGS:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
-        entries = dict(state_dict["state"])
         first = saved["params"][0]
+        check_names(0, saved, self.param_groups[0].get("param_names"))
         entry = entries.get(first, {})
         config = {k: self.param_groups[0][k] for k in _ARGS}
-        config.update({k: copy.deepcopy(saved[k]) for k in _ARGS if k in saved})
+        config.update({k: _as_tuples(saved[k], config[k]) for k in _ARGS if k in saved})
         config = {k: to_python(v) if k in _NUMERIC else v for k, v in config.items()}
         tx = lbfgs(**config)
         state = self._state_from_entry(tx, entry)
-        extra = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _ARGS and k != "params"}
+        extra = {k: v for k, v in saved.items() if k not in _ARGS and k != "params"}
         self._tx, self._state = tx, state
         self.param_groups[0] = {**self.param_groups[0], **extra, **config, "params": self._params}
         self._applied = dict(config)
@@ -393,7 +408,7 @@ class LBFGS:
             size = fresh.ro.shape[0]
 
             def vector(name: str, value: Any) -> jax.Array:
-                v = _np(value).reshape(-1)
+                v = _to_numpy(value).reshape(-1)
                 if v.shape != (n,):
                     raise ValueError(
                         f"loaded state dict: {name} has {v.shape[0]} entries, the parameters have {n}"

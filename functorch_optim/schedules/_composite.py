@@ -102,12 +102,11 @@ class _MultiplicativeLR(_LambdaLR):
 
 
 class _Composite(_Spec):
-    """A scheduler over others: it cycles momentum, or runs eagerly, when one of them does."""
+    """A scheduler over others: it cycles momentum when one of them does."""
 
     def __init__(self, specs: list[_Spec]) -> None:
         self.specs = specs
         self.cycles_momentum = any(s.cycles_momentum for s in specs)
-        self.eager = any(s.eager for s in specs)
 
     def construct_subs(self, group: Group) -> tuple[Group, list[SState]]:
         """Build the sub-schedulers in order on the same group, as torch's on one optimizer."""
@@ -153,15 +152,6 @@ class _SequentialLR(_Composite):
 
     def step(self, group, st, is_initial=False):
         e = st["last_epoch"] + 1
-        if self.eager:  # torch's step: only the active scheduler runs (the user's lambdas)
-            i = bisect.bisect_right(self.milestones, int(e))
-            spec, sub = self.specs[i], st["subs"][i]
-            if i > 0 and self.milestones[i - 1] == int(e):
-                group, sub = spec.update_lr(group, sub, 0)
-            else:
-                group, sub = spec.step(group, sub)
-            subs = (*st["subs"][:i], sub, *st["subs"][i + 1 :])
-            return group, {"last_epoch": e, "subs": subs}
         ms = jnp.asarray(self.milestones if self.milestones else [2**31 - 1], jnp.int32)
         idx = jnp.searchsorted(ms, e, side="right") if self.milestones else jnp.int32(0)
         groups, states = [], []
@@ -186,7 +176,6 @@ class _PerEpoch(_Spec):
         self.inner, self.steps_per_epoch = inner, steps_per_epoch
         self.name = inner.name
         self.cycles_momentum = inner.cycles_momentum
-        self.eager = inner.eager
 
     def construct(self, group):
         group, st = self.inner.construct(group)
