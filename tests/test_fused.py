@@ -201,13 +201,15 @@ def test_a_missing_compiler_is_reported(monkeypatch):
         _fused._compiler()
 
 
-def test_kernel_library_is_cached_by_source_and_toolchain(tmp_path, monkeypatch):
+def test_kernel_library_is_cached_by_source_toolchain_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("FUNCTORCH_OPTIM_CACHE", str(tmp_path))
-    path = _fused.library_path("/usr/bin/c++", _fused._FLAGS)
+    target = "-march=rocketlake -mavx512f"
+    path = _fused.library_path("/usr/bin/c++", _fused._FLAGS, target)
     assert path.parent == tmp_path and re.fullmatch(r"fused_kernels-[0-9a-f]{16}\.so", path.name)
-    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS) == path  # stable
-    assert _fused.library_path("/usr/bin/clang++", _fused._FLAGS) != path
-    assert _fused.library_path("/usr/bin/c++", (*_fused._FLAGS, "-O2")) != path
+    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS, target) == path  # stable
+    assert _fused.library_path("/usr/bin/clang++", _fused._FLAGS, target) != path
+    assert _fused.library_path("/usr/bin/c++", (*_fused._FLAGS, "-O2"), target) != path
+    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS, "-march=skylake -mno-avx512f") != path
 
 
 def test_mixed_dtypes_one_call_per_kernel_dtype():
