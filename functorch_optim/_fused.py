@@ -385,6 +385,7 @@ def _call(
     ``scalars`` / ``flags``: per-parameter values, each a scalar (the same for all) or a
     vector over the leaves. Per leaf ``(param, buffers)``, with a ``window`` ``(param,
     buffers, accumulator)``."""
+    load_kernels()  # registers the targets, in a process that unpickled a fused algorithm too
     dtype = leaves[0][0].dtype
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
@@ -447,7 +448,7 @@ def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorit
     (torch's "floating point params only" check for ``fused`` is every optimizer's here.)"""
     load_kernels()
     return dataclasses.replace(
-        algorithm, fused_step=_fused_step(kernel, algorithm), fused_window=_fused_window(kernel)
+        algorithm, fused_step=FusedStep(kernel, algorithm), fused_window=FusedWindow(kernel)
     )
 
 
@@ -474,15 +475,23 @@ def _batches(leaves: list[Leaf]) -> list[list[int]]:
     return [v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)]
 
 
-def _fused_step(
-    kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]], algorithm: Algorithm
-) -> Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]:
-    # ``kernel``: one call per dtype on CPU for the float32/float64 parameters; elsewhere,
-    # and for every other parameter, the jitted per-parameter rule and the mask
+@dataclasses.dataclass(frozen=True)
+class FusedStep:
+    """A fused algorithm's ``Algorithm.fused_step``: ``kernel``, one call per dtype on the
+    CPU for the float32/float64 parameters; elsewhere, and for every other parameter,
+    ``algorithm``'s jitted per-parameter rule and the mask.
 
-    def fused_step(
-        leaves: list[Leaf], hparams_of, static, one: jax.Array
+    A value, not a closure: it pickles (a facade with ``fused=True`` does) and two equal
+    configurations share one compiled step.
+    """
+
+    kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]
+    algorithm: Algorithm
+
+    def __call__(
+        self, leaves: list[Leaf], hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
+        kernel, algorithm = self.kernel, self.algorithm
         out: list[Any] = [None] * len(leaves)
         for i, leaf in enumerate(leaves):
             if not kernel_leaf(leaf[0]):
@@ -505,12 +514,16 @@ def _fused_step(
                 out[i] = result
         return out
 
-    return fused_step
 
+@dataclasses.dataclass(frozen=True)
+class FusedWindow:
+    """A fused algorithm's ``Algorithm.fused_window``: ``grad_accumulate``'s calls in
+    ``kernel`` (a value, like ``FusedStep``)."""
 
-def _fused_window(kernel: Callable[..., list]) -> Callable[..., list]:
-    def fused_window(
-        leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
+    kernel: Callable[..., list]
+
+    def __call__(
+        self, leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]:
         # every non-empty parameter is a kernel leaf (``window_ready``); an empty one
         # has nothing to update but its step counter
@@ -522,11 +535,11 @@ def _fused_window(kernel: Callable[..., list]) -> Callable[..., list]:
             group = [leaves[i] for i in indices]
             present = None if window.present is None else window.present[np.asarray(indices)]
             part = window._replace(accs=[window.accs[i] for i in indices], present=present)
-            for i, result in zip(indices, kernel(group, hparams_of(group[0][0].dtype), static, one, part)):
+            for i, result in zip(
+                indices, self.kernel(group, hparams_of(group[0][0].dtype), static, one, part)
+            ):
                 out[i] = result
         return out
-
-    return fused_window
 
 
 def window_ready(params: list[jax.Array]) -> bool:
