@@ -6,12 +6,14 @@ with ``step()``, ``get_last_lr()``, ``state_dict()`` / ``load_state_dict()``, as
 dicts whose ``"lr"`` (and ``"momentum"`` or ``"betas"``) entries can be read and assigned
 and take effect on the next step (``functorch_optim.optim``'s facade). Each ``step()``
 reads the current values from the groups, runs torch's chainable step as one jitted pure
-function (compiled once per scheduler) and writes the new values back as Python floats,
-so the optimizer never recompiles.
+function (compiled once per scheduler configuration: schedulers of equal arguments share
+it, whatever the learning rates) and writes the new values back as Python floats, so the
+optimizer never recompiles.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +43,18 @@ __all__ = [
     "SequentialLR",
     "StepLR",
 ]
+
+
+# The jitted steps, module level with the schedule a static argument compared by value
+# (``schedules._ByValue``): one compiled step per configuration, across instances.
+@functools.partial(jax.jit, static_argnums=0)
+def _spec_step(spec: _s._ByValue, group: dict, state: dict) -> tuple[dict, dict]:
+    return spec.obj.step(group, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _plateau_update(plateau: _s._ByValue, lr: Any, state: Any, metric: Any) -> tuple[Any, Any]:
+    return plateau.obj.update(lr, state, metric)
 
 
 def _groups(optimizer: Any) -> list[dict]:
@@ -99,7 +113,7 @@ class LRScheduler:
         if self._momentum_key is not None:
             start["momentum"] = _read(optimizer, self._momentum_key)
         self._group, self._state = self._spec.construct(start)
-        self._step_fn = jax.jit(self._spec.step)
+        self._static = _s._ByValue(self._spec)
         for group, initial in zip(groups, np.asarray(self._group["initial_lr"]).tolist(), strict=True):
             group["initial_lr"] = initial
         self._write()
@@ -130,7 +144,7 @@ class LRScheduler:
         group["lr"] = _read(self.optimizer, "lr")
         if self._momentum_key is not None:
             group["momentum"] = _read(self.optimizer, self._momentum_key)
-        self._group, self._state = self._step_fn(group, self._state)
+        self._group, self._state = _spec_step(self._static, group, self._state)
         self._write()
 
     def get_last_lr(self) -> list[float]:
@@ -418,7 +432,7 @@ class ReduceLROnPlateau:
             _lrs(optimizer), mode, factor, patience, threshold, threshold_mode, cooldown, min_lr, eps
         )
         self._state = self._plateau.init_state()
-        self._update = jax.jit(self._plateau.update)
+        self._static = _s._ByValue(self._plateau, self._plateau.update_key)
         self._last_lr = _lrs(optimizer)
 
     @property
@@ -435,7 +449,8 @@ class ReduceLROnPlateau:
 
     def step(self, metrics: Any) -> None:
         """torch's ``step(metrics)``: update the groups' lrs from the monitored metric."""
-        lrs, self._state = self._update(_read(self.optimizer, "lr"), self._state, float(metrics))
+        lr = _read(self.optimizer, "lr")
+        lrs, self._state = _plateau_update(self._static, lr, self._state, float(metrics))
         new = np.asarray(lrs).tolist()
         for group, old, lr in zip(_groups(self.optimizer), _lrs(self.optimizer), new, strict=True):
             if lr != old:

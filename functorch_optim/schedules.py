@@ -147,6 +147,55 @@ def _as_lr(lr: Any) -> jax.Array:
     return arr
 
 
+# ----------------------------------------------------------------------------- equal by value
+def _value_key(x: Any) -> Any:
+    """A hashable stand-in for ``x``, equal for two values that a jitted step bakes in
+    identically: numbers by type and exact value (``-0.0`` is not ``0.0``), sequences,
+    mappings and arrays by content, a scheduler spec by its class and attributes,
+    functions and other objects by identity.
+
+    Raises:
+      TypeError: ``x`` holds an unhashable object of another kind.
+    """
+    if x is None or isinstance(x, bool | int | str):
+        return (type(x).__name__, x)
+    if isinstance(x, float):
+        return ("float", x.hex() if x == x else "nan")
+    if isinstance(x, list | tuple):
+        return ("seq", tuple(_value_key(v) for v in x))
+    if isinstance(x, Mapping):
+        return ("map", tuple(sorted((repr(k), _value_key(v)) for k, v in x.items())))
+    if isinstance(x, np.ndarray | np.generic | jax.Array):
+        a = np.asarray(x)
+        return ("array", str(a.dtype), a.shape, a.tobytes())
+    if isinstance(x, _Spec):
+        return (type(x), _value_key(vars(x)))
+    hash(x)
+    return x
+
+
+class _ByValue:
+    """``obj`` as a static ``jax.jit`` argument that compares by ``key`` (default
+    ``_value_key(obj)``): equal schedules (another instance, the same arguments) hit the
+    same compiled step. An argument ``_value_key`` cannot hash makes it compare by
+    identity (its own compilation, as before)."""
+
+    def __init__(self, obj: Any, key: Any = None) -> None:
+        self.obj = obj
+        if key is None:
+            try:
+                key = _value_key(obj)
+            except TypeError:
+                key = ("identity", id(obj))  # ``obj`` lives as long as this key does
+        self._key = key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
 # ----------------------------------------------------------------------------- torch's LRScheduler
 class _Spec:
     """One torch scheduler class, emulated over a param-group dict of arrays.
@@ -244,6 +293,17 @@ class Schedule:
 
     def __repr__(self) -> str:
         return f"<Schedule {self.name} key={self.key!r} lr={self.lr!r}>"
+
+    @property
+    def step_key(self) -> Any:
+        """Hashable, equal for two schedules whose ``step_schedule`` computes the same: the
+        scheduler, its arguments and the driven key, not the learning rate it starts from
+        (that is state). Optimizers whose schedules have equal keys share one compiled step.
+
+        Raises:
+          TypeError: an argument is unhashable (``_value_key``).
+        """
+        return (type(self), self.key, _value_key(self._spec))
 
     @property
     def momentum(self) -> Schedule:
@@ -1389,6 +1449,16 @@ class _PlateauSchedule(Schedule):
 
     def step_schedule(self, value, state, count=None):
         return value, state  # the lr moves only with a metric: ``step(state, metric)``
+
+    @property
+    def step_key(self) -> Any:
+        return (type(self), self.key)  # the step leaves the lr alone, whatever the arguments
+
+    @property
+    def update_key(self) -> Any:
+        """Hashable, equal for two plateau schedules whose ``update`` computes the same
+        (every argument but the starting lr)."""
+        return _value_key({k: v for k, v in vars(self).items() if k not in ("lr", "_start_lr")})
 
     def check_hparams(self, name, hparams):
         return None

@@ -142,3 +142,30 @@ def entry_text(compiled: Any) -> str:
     text = compiled.as_text()
     entry = text[text.index("\nENTRY ") :]
     return entry[: entry.index("\n}")]
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax's backend-compile events) inside a ``with`` block.
+
+    Examples:
+      >>> with CompileCounter() as compiled:
+      ...     _ = jax.jit(lambda x: x + 1)(jnp.zeros(3))
+      >>> compiled.count
+      1
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
