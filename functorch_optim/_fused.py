@@ -210,14 +210,14 @@ def _open_verified(directory: int, name: str) -> int:
         try:
             sum_fd = _open_checked(directory, name + _CHECKSUM, f"its checksum file {name + _CHECKSUM}")
         except FileNotFoundError:
-            raise _Unverified(f"has no checksum file beside it ({name + _CHECKSUM})") from None
+            raise _Unverified(f"it has no checksum file beside it ({name + _CHECKSUM})") from None
         try:
             recorded = _read_all(sum_fd).decode(errors="replace").strip()
         finally:
             os.close(sum_fd)
         if digest != recorded:
             raise _Unverified(
-                f"does not match the checksum its build recorded (truncated, corrupt or replaced: "
+                f"it does not match the checksum its build recorded (truncated, corrupt or replaced: "
                 f"sha256 {digest[:16]}…, recorded {recorded[:16] or 'nothing'}…)"
             )
     except BaseException:
@@ -320,7 +320,7 @@ def _verified_library(compiler: str, library: Path) -> int:
             except _Unverified as error:
                 reason = str(error)
                 warnings.warn(
-                    f"the cached fused-kernel library {library} {reason}; it is not loaded and is rebuilt",
+                    f"the cached fused-kernel library {library}: {reason}; it is not loaded and is rebuilt",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -335,7 +335,7 @@ def _verified_library(compiler: str, library: Path) -> int:
                     str(error) if isinstance(error, RuntimeError) else f"writing {library} failed: {error}"
                 )
                 if reason is not None:
-                    detail = f"the cached kernel library {library} {reason}; rebuilding it failed: {detail}"
+                    detail = f"the cached kernel library {library}: {reason}; rebuilding it failed: {detail}"
                 raise RuntimeError(detail) from error
             return fd
     finally:
