@@ -6,7 +6,7 @@ pytest. Each process has its own ``FUNCTORCH_OPTIM_CACHE``. The compiler is a sm
 wrapper around the real one (``CXX``): it replays an earlier build of the same command
 (as ccache does), so a rebuild costs no compile time here, it logs each build, and with
 ``FAKE_MARCH`` set it builds for that target instead of ``-march=native``: the compiler
-of a machine with another CPU.
+of a machine with another CPU; with ``FAIL_BUILD`` set every build fails.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ if os.environ.get("FAKE_MARCH"):
     args = [f"-march={{os.environ['FAKE_MARCH']}}" if a == "-march=native" else a for a in args]
 if "-###" in args or "-o" not in args:
     sys.exit(subprocess.call([real, *args]))
+if os.environ.get("FAIL_BUILD"):
+    sys.exit("c++: error: this build fails on purpose")
 out = args[args.index("-o") + 1]
 key = hashlib.sha256(repr([real, *(a for a in args if a != out)]).encode()).hexdigest()
 stored = os.path.join({store!r}, key)
@@ -121,7 +123,7 @@ def toolchain(tmp_path_factory):
 
 
 def _child(toolchain, cache: Path, tmp_path: Path, **env: str) -> subprocess.Popen:
-    environment = {k: v for k, v in os.environ.items() if k != "FAKE_MARCH"}
+    environment = {k: v for k, v in os.environ.items() if k not in ("FAKE_MARCH", "FAIL_BUILD")}
     environment |= {
         "CXX": toolchain["cxx"],
         "FUNCTORCH_OPTIM_CACHE": str(cache),
@@ -211,6 +213,16 @@ def test_a_truncated_library_is_rebuilt(toolchain, cache, tmp_path, size):
     assert _builds(tmp_path) == 1 and library.read_bytes() == whole and _verified(library)
     # the next process loads the rebuilt file as it is
     assert _run(toolchain, directory, tmp_path)["warnings"] == [] and _builds(tmp_path) == 1
+
+
+def test_a_corrupt_library_that_cannot_be_rebuilt_is_a_clear_error(toolchain, cache, tmp_path):
+    directory, library = cache
+    library.write_bytes(library.read_bytes()[:1000])
+    result = _run(toolchain, directory, tmp_path, FAIL_BUILD="1")
+    assert result["error"].startswith(f"the cached kernel library {library}: it does not match the checksum")
+    assert "rebuilding it failed: building the fused kernel failed" in result["error"]
+    assert "this build fails on purpose" in result["error"]
+    assert len(library.read_bytes()) == 1000  # left as it was, and never loaded
 
 
 PLANTS = {
