@@ -327,19 +327,23 @@ def _is_scheduled(value: Any) -> bool:
 
 def schedule_key(value: Any) -> Any:
     """Hashable, equal for two hyperparameter values whose schedules step identically: a
-    schedule's ``step_key`` (``functorch_optim.schedules``), a plain ``count -> value``
-    function itself, per entry for a tuple; ``None`` for a value without a schedule
-    (its value is state). Two transformations of one algorithm whose states have one
-    structure and whose hyperparameters have equal keys compute the same step.
+    schedule's ``step_key`` (``functorch_optim.schedules``), per entry for a tuple;
+    ``None`` for a value without a schedule (its value is state). Two transformations
+    of one algorithm whose states have one structure and whose hyperparameters have
+    equal keys compute the same step.
 
     Raises:
-      TypeError: a schedule argument is unhashable.
+      TypeError: the value holds user code (a plain ``count -> value`` function, a
+        schedule built on a lambda): it may read values that change, so it is not
+        compared.
     """
     if not _is_scheduled(value):
         return None
     if isinstance(value, tuple | list):
         return tuple(schedule_key(v) for v in value)
-    return getattr(value, "step_key", value)
+    if not hasattr(value, "step_key"):
+        raise TypeError(f"{value!r} is a plain function schedule: not compared by value")
+    return value.step_key
 
 
 def _hparam_dtype(value: Any) -> Any:

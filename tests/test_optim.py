@@ -20,6 +20,7 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim.interop.torch import flatten_names
 from functorch_optim.optim import SGD, Optimizer, group_by, make_optimizer_class, state_dict_to_torch
 from functorch_optim.optim._optimizer import _BACKWARD, _STEP
 from tests.helpers import CompileCounter, rel_err
@@ -319,9 +320,11 @@ def sd_setup(dtype=np.float64):
 
 
 def torch_run(groups_np, stream, start_sd=None):
+    # built from named tensors, as from model.named_parameters(): torch's groups carry param_names
     tensors = [torch_tensors(g) for g in groups_np]
+    named = [list(zip(flatten_names(g), ts, strict=True)) for g, ts in zip(groups_np, tensors, strict=True)]
     t_opt = torch.optim.SGD(
-        [{"params": ts, **kw} for ts, kw in zip(tensors, SD_GROUP_KW, strict=True)], foreach=False
+        [{"params": nts, **kw} for nts, kw in zip(named, SD_GROUP_KW, strict=True)], foreach=False
     )
     if start_sd is not None:
         t_opt.load_state_dict(start_sd)
@@ -452,9 +455,9 @@ def test_adam_like_step_state_round_trips_with_torch_adam():
     sd = opt.state_dict()
     ref = t_opt.state_dict()
     assert sorted(sd["state"][1]) == sorted(ref["state"][1]) == ["exp_avg", "exp_avg_sq", "step"]
-    assert sd["state"][0]["step"].dtype == np.float32 and float(sd["state"][0]["step"]) == 12.0
+    assert sd["state"][0]["step"].dtype == torch.float32 and float(sd["state"][0]["step"]) == 12.0
     back = torch.optim.Adam(torch_tensors(params), lr=0.5, foreach=False)
-    back.load_state_dict(state_dict_to_torch(sd))
+    back.load_state_dict(sd)  # torch tensors already: no conversion
     assert back.param_groups[0]["lr"] == 0.01
     assert back.state_dict()["state"][1]["step"].item() == 9.0
     # never stepped -> no entry, like torch's lazy state
@@ -1038,7 +1041,8 @@ def test_lbfgs_facade_groups_hparams_and_errors():
     opt = LBFGS([{"params": {"x": jnp.zeros(3)}, "lr": 0.25}], max_iter=4)
     group = opt.param_groups[0]
     assert (group["lr"], group["max_iter"], group["max_eval"]) == (0.25, 4, 5)
-    assert opt.state_dict() == {"state": {}, "param_groups": [{**opt.defaults, "lr": 0.25, "params": [0]}]}
+    expected = {**opt.defaults, "lr": 0.25, "params": [0], "param_names": ["x"]}
+    assert opt.state_dict() == {"state": {}, "param_groups": [expected]}
     opt.zero_grad()  # no gradients to reset: the closure computes them
 
     def closure(p):
