@@ -1126,3 +1126,18 @@ def test_facades_whose_schedules_differ_in_structure_do_not_share_a_step():
         ),
         n=4,
     )
+
+
+def test_a_schedule_holding_user_code_is_never_shared():
+    # the lambda reads a variable that changes between two builds: each facade traces it anew
+    factor = {"value": 0.5}
+    fn = lambda e: factor["value"] ** e  # noqa: E731
+    params = []
+    for value in (0.5, 0.25):
+        factor["value"] = value
+        opt = SGD({"w_user_code": jnp.array([1.0])}, lr=fo.schedules.lambda_lr(0.1, fn))
+        for _ in range(2):
+            opt.grad = {"w_user_code": jnp.array([1.0])}
+            opt.step()
+        params.append(float(opt.params["w_user_code"][0]))
+    assert params == [1.0 - 0.1 - 0.1 * 0.5, 1.0 - 0.1 - 0.1 * 0.25]  # lr 0.1, then 0.1 * factor
