@@ -19,7 +19,11 @@ from torch.optim import lr_scheduler as TL
 from torch.optim import swa_utils
 
 from functorch_optim.optim import lr_scheduler as L
-from tests.helpers import _get_linear_schedule_with_warmup_lr_lambda, get_linear_schedule_with_warmup
+from tests.helpers import (
+    CompileCounter,
+    _get_linear_schedule_with_warmup_lr_lambda,
+    get_linear_schedule_with_warmup,
+)
 
 STEPS = 120
 LRS = [0.1, 0.03]
@@ -208,6 +212,53 @@ def test_drives_the_real_facade_like_torch(name, kwargs):
         np.testing.assert_allclose(sched.get_last_lr(), t_sched.get_last_lr(), rtol=1e-12, atol=0)
     for ours, theirs in zip(opt.params, ts):
         np.testing.assert_allclose(np.asarray(ours), theirs.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
+def _scheduler_sweep(make, n, steps=3):
+    """``n`` schedulers ``make(i, module, optimizer)`` over fresh optimizers, each stepped
+    ``steps`` times beside torch's; returns the compilations they caused."""
+    with CompileCounter() as compiled:
+        for i in range(n):
+            topt, opt = _pair()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref, ours = make(i, TL, topt), make(i, L, opt)
+                for _ in range(steps):
+                    topt.step()
+                    ref.step()
+                    ours.step()
+            assert np.max(np.abs(np.asarray(ours.get_last_lr()) - ref.get_last_lr())) <= 1e-15
+    return compiled.count
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda i, M, o: M.StepLR(o, step_size=2, gamma=0.5),
+        lambda i, M, o: M.CosineAnnealingLR(o, T_max=10),
+        lambda i, M, o: M.SequentialLR(o, [M.LinearLR(o, 0.1, 1.0, 2), M.ExponentialLR(o, 0.9)], [2]),
+    ],
+    ids=["StepLR", "CosineAnnealingLR", "SequentialLR"],
+)
+def test_schedulers_of_one_configuration_compile_once(make):
+    _scheduler_sweep(make, 1)  # compiles its step
+    assert _scheduler_sweep(make, 20) == 0
+
+
+def test_reduce_lr_on_plateau_of_one_configuration_compiles_once():
+    def sweep(n):
+        with CompileCounter() as compiled:
+            for i in range(n):
+                topt, opt = _pair()
+                ref, ours = TL.ReduceLROnPlateau(topt, patience=1), L.ReduceLROnPlateau(opt, patience=1)
+                for metric in (1.0, 1.0, 1.0, 0.5 - i / 100):
+                    ref.step(metric)
+                    ours.step(metric)
+                assert ours.get_last_lr() == ref.get_last_lr() == [lr * 0.1 for lr in LRS]
+        return compiled.count
+
+    sweep(1)
+    assert sweep(20) == 0
 
 
 # ----------------------------------------------------------------------------- state dicts in torch's layout
