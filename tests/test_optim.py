@@ -23,7 +23,7 @@ from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim.interop.torch import flatten_names
 from functorch_optim.optim import SGD, Optimizer, group_by, make_optimizer_class, state_dict_to_torch
 from functorch_optim.optim._optimizer import _BACKWARD, _STEP
-from tests.helpers import rel_err
+from tests.helpers import CompileCounter, rel_err
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -1211,3 +1211,74 @@ def test_backward_has_aux_returns_loss_and_aux_and_accumulates_the_same_gradient
 
     lb.step(closure)
     assert len(seen) == int(lb.state.func_evals) and seen[0].shape == (2,)
+
+
+# ---------------------------------------------------------------------------------------
+# schedules: optimizers of one configuration share one compiled step
+# ---------------------------------------------------------------------------------------
+
+
+def _sweep(make_schedule, n=20, steps=3):
+    """``n`` SGD facades, schedule ``make_schedule(i)``, ``steps`` steps each, against torch."""
+    w0, grad = np.array([1.0, -2.0]), np.array([0.5, 1.0])
+    with CompileCounter() as compiled:
+        for i in range(n):
+            sched, torch_sched = make_schedule(i)
+            opt = SGD({"w_sweep": jnp.asarray(w0)}, lr=sched, momentum=0.9)
+            tw = torch.tensor(w0, requires_grad=True)
+            topt = torch.optim.SGD([tw], lr=1.0, momentum=0.9)
+            tsched = torch_sched(topt)
+            for _ in range(steps):
+                opt.grad = {"w_sweep": jnp.asarray(grad)}
+                opt.step()
+                tw.grad = torch.tensor(grad)
+                topt.step()
+                tsched.step()
+            np.testing.assert_allclose(opt.params["w_sweep"], tw.detach().numpy(), rtol=1e-15, atol=0)
+    return compiled.count
+
+
+def _torch_step_lr(lr, **kw):
+    def make(topt):
+        topt.param_groups[0]["lr"] = lr
+        return torch.optim.lr_scheduler.StepLR(topt, **kw)
+
+    return make
+
+
+def test_facades_whose_schedules_differ_in_lr_share_one_compiled_step():
+    _sweep(lambda i: (fo.schedules.step_lr(0.5, 1, 0.5), _torch_step_lr(0.5, step_size=1, gamma=0.5)), n=1)
+    before = _STEP._cache_size()
+    count = _sweep(
+        lambda i: (
+            fo.schedules.step_lr(0.1 + 0.01 * i, step_size=1, gamma=0.5),
+            _torch_step_lr(0.1 + 0.01 * i, step_size=1, gamma=0.5),
+        )
+    )
+    assert count == 0 and _STEP._cache_size() == before  # the warm-up's compiled step serves all 20
+
+
+def test_facades_whose_schedules_differ_in_structure_do_not_share_a_step():
+    # a different gamma or step size is another step: torch's numbers for each
+    _sweep(
+        lambda i: (
+            fo.schedules.step_lr(0.1, step_size=1 + i % 2, gamma=(0.5, 0.25)[i // 2]),
+            _torch_step_lr(0.1, step_size=1 + i % 2, gamma=(0.5, 0.25)[i // 2]),
+        ),
+        n=4,
+    )
+
+
+def test_a_schedule_holding_user_code_is_never_shared():
+    # the lambda reads a variable that changes between two builds: each facade traces it anew
+    factor = {"value": 0.5}
+    fn = lambda e: factor["value"] ** e  # noqa: E731
+    params = []
+    for value in (0.5, 0.25):
+        factor["value"] = value
+        opt = SGD({"w_user_code": jnp.array([1.0])}, lr=fo.schedules.lambda_lr(0.1, fn))
+        for _ in range(2):
+            opt.grad = {"w_user_code": jnp.array([1.0])}
+            opt.step()
+        params.append(float(opt.params["w_user_code"][0]))
+    assert params == [1.0 - 0.1 - 0.1 * 0.5, 1.0 - 0.1 - 0.1 * 0.25]  # lr 0.1, then 0.1 * factor

@@ -739,3 +739,16 @@ def test_traced_lambda_counter_gives_float64_arithmetic():
     assert np.max(np.abs(got - ref)) <= 2e-16 * np.max(ref)  # an int32 counter: 4.8e-9
     ref = torch_sequence(lambda o: L.MultiplicativeLR(o, lambda e: 1 - e / 70), n=16)[0]
     assert np.array_equal(S.multiplicative_lr(LRS, lambda e: 1 - e / 70).values(16), ref)
+
+
+def test_cyclic_scale_fn_gets_a_float64_counter():
+    """A custom ``scale_fn`` sees the cycle (or iteration) as JAX's default int: ``x / 3`` is float64."""
+
+    def scale_fn(x):
+        return 0.5 ** (x / 3)
+
+    for mode in ["cycle", "iterations"]:
+        kw = {"scale_fn": scale_fn, "scale_mode": mode}
+        ref = torch_sequence(lambda o, kw=kw: L.CyclicLR(o, 0.01, 0.1, 4, **kw), n=16)[0]
+        got = S.cyclic_lr(0.01, 0.1, 4, **kw, cycle_momentum=False, lr=LRS)
+        assert np.max(np.abs(got.values(16) - ref)) <= 1e-17, mode  # int32: 1e-9

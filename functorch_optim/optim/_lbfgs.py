@@ -74,7 +74,7 @@ class LBFGS:
       opt.backward(loss_fn, x, y); return loss``. The step then runs torch's algorithm
       with Python control flow, setting the parameters and calling the closure exactly
       when and as often as torch does (same ``n_iter`` and ``func_evals``); the
-      arithmetic in between is JAX's, the two-loop recursion jitted once.
+      bookkeeping in between is NumPy float64, the two-loop recursion jitted once.
     * a pure, jittable ``closure(params) -> loss``, whose gradient comes from
       ``jax.value_and_grad``: the whole ``step(closure)`` (up to ``max_iter``
       iterations, the line search included) is one jitted call, compiled once per

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functorch_optim.schedules._core import (
+    Group,
     Schedule,
     SState,
     _check_count,
@@ -100,19 +101,27 @@ class _MultiplicativeLR(_LambdaLR):
         return group["lr"] * self._factors(st, jnp.shape(group["lr"])), group
 
 
-class _ChainedScheduler(_Spec):
-    name = "ChainedScheduler"
+class _Composite(_Spec):
+    """A scheduler over others: it cycles momentum when one of them does."""
 
     def __init__(self, specs: list[_Spec]) -> None:
         self.specs = specs
         self.cycles_momentum = any(s.cycles_momentum for s in specs)
-        self.eager = any(s.eager for s in specs)
 
-    def construct(self, group):
+    def construct_subs(self, group: Group) -> tuple[Group, list[SState]]:
+        """Build the sub-schedulers in order on the same group, as torch's on one optimizer."""
         states = []
         for spec in self.specs:
             group, st = spec.construct(group)
             states.append(st)
+        return group, states
+
+
+class _ChainedScheduler(_Composite):
+    name = "ChainedScheduler"
+
+    def construct(self, group):
+        group, states = self.construct_subs(group)
         return group, {"subs": tuple(states)}
 
     def step(self, group, st, is_initial=False):
@@ -126,19 +135,15 @@ class _ChainedScheduler(_Spec):
         return {"subs": tuple(spec.undo(s) for spec, s in zip(self.specs, st["subs"], strict=True))}
 
 
-class _SequentialLR(_Spec):
+class _SequentialLR(_Composite):
     name = "SequentialLR"
 
     def __init__(self, specs: list[_Spec], milestones: list[int]) -> None:
-        self.specs, self.milestones = specs, list(milestones)
-        self.cycles_momentum = any(s.cycles_momentum for s in specs)
-        self.eager = any(s.eager for s in specs)
+        super().__init__(specs)
+        self.milestones = list(milestones)
 
     def construct(self, group):
-        states = []
-        for spec in self.specs:
-            group, st = spec.construct(group)
-            states.append(st)
+        group, states = self.construct_subs(group)
         group = {**group, "lr": group["initial_lr"]}
         states = [spec.undo(s) for spec, s in zip(self.specs, states, strict=True)]
         idx = bisect.bisect_right(self.milestones, 0)
@@ -171,7 +176,6 @@ class _PerEpoch(_Spec):
         self.inner, self.steps_per_epoch = inner, steps_per_epoch
         self.name = inner.name
         self.cycles_momentum = inner.cycles_momentum
-        self.eager = inner.eager
 
     def construct(self, group):
         group, st = self.inner.construct(group)
