@@ -284,3 +284,18 @@ def test_flax_linen_train_state_equals_torch(name):
     trained = [(state.params[n]["kernel"].T, state.params[n]["bias"]) for n in ("l1", "l2")]
     assert int(state.step) == STEPS
     assert_close(trained, torch_run(start, make_torch))
+
+
+def test_array_hyperparameters_are_not_shared_between_facades():
+    """Two facades whose lr is a JAX array each step with their own (the value lives in the
+    transformation, so the facade's cache of compiled steps must not share it)."""
+    from functorch_optim.optim import SGD
+
+    outs = []
+    for lr in (0.1, 0.5):
+        opt = SGD({"w": jnp.ones(2)}, lr=jnp.asarray(lr))
+        opt.zero_grad()
+        opt.backward(lambda p: jnp.sum(p["w"]))
+        opt.step()
+        outs.append(opt.params["w"].tolist())
+    assert outs == [[0.9, 0.9], [0.5, 0.5]]
