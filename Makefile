@@ -6,11 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo parity test lint docs setup clean
 
+# pip prints a line per package it collects and installs (about 80 s the first time)
 $(STAMP): pyproject.toml constraints.txt
+	@echo "set-up 1/3: a virtual environment in $(VENV)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,docs]'
+	@echo "set-up 2/3: pip"
+	$(BIN)/pip install --progress-bar off --upgrade pip
+	@echo "set-up 3/3: functorch_optim with its test and docs extras (torch, jax, mkdocs, ...), pinned by constraints.txt"
+	$(BIN)/pip install --progress-bar off -c constraints.txt -e '.[test,docs]'
 	touch $(STAMP)
+	@echo "set-up done: $(VENV)"
 
 setup: $(STAMP)
 

@@ -915,6 +915,8 @@ def run(
     compile_leaves = tuple(compile_leaves or (QUICK_COMPILE_LEAVES if quick else FULL_COMPILE_LEAVES))
     reps = reps or (5 if quick else 9)
     torch = _torch()
+    if torch is None:
+        log("no torch rows: torch is not installed (pip install 'functorch_optim[torch]') or cannot run here")
     t0 = time.perf_counter()
     result: dict[str, Any] = {
         "meta": {
@@ -1001,6 +1003,8 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def run_cli(args: argparse.Namespace) -> int:
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
+    if not args.no_plot:
+        import matplotlib  # noqa: F401  (the plot comes last: fail before measuring)
     cases = [_parse_case(s) for s in args.sizes] if args.sizes else None
     if args.from_json:
         parts = []

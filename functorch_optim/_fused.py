@@ -24,7 +24,9 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -55,7 +57,8 @@ def _compiler() -> str:
     )
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """The package's cache: ``$FUNCTORCH_OPTIM_CACHE``, default ``~/.cache/functorch_optim``."""
     default = Path.home() / ".cache" / "functorch_optim"
     return Path(os.environ.get("FUNCTORCH_OPTIM_CACHE", default))
 
@@ -72,7 +75,7 @@ def library_path(compiler: str, flags: tuple[str, ...]) -> Path:
         " ".join(flags).encode(),
     ):
         key.update(part)
-    return _cache_dir() / f"fused_kernels-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"fused_kernels-{key.hexdigest()[:16]}.so"
 
 
 @functools.cache
@@ -89,6 +92,14 @@ def load_kernels() -> str:
     library = library_path(compiler, _FLAGS)
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
+        # a build takes seconds: say so, on stderr, rather than wait silently
+        print(
+            f"functorch_optim: building the fused=True kernels (once per machine and version) "
+            f"with {Path(compiler).name} into {library.parent} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
             built = Path(tmp) / library.name
             command = [compiler, *_FLAGS, "-w", "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
@@ -96,6 +107,7 @@ def load_kernels() -> str:
             if result.returncode != 0:
                 raise RuntimeError(f"building the fused kernel failed:\n{' '.join(command)}\n{result.stderr}")
             os.replace(built, library)  # atomic: concurrent builders leave one whole file
+        print(f"functorch_optim: fused kernels built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     lib = ctypes.cdll.LoadLibrary(str(library))
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
