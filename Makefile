@@ -34,9 +34,11 @@ test: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
+# ruff over the whole tree: the package, tests, benchmarks, docs hooks, notebooks and
+# the Python blocks of the Markdown files
 lint: $(STAMP)
-	$(BIN)/ruff check functorch_optim tests
-	$(BIN)/ruff format --check functorch_optim tests
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache site
