@@ -240,3 +240,59 @@ def test_block_marks_are_read():
         ("skip", 10, "z\n"),
     ]
     assert blocks[2]["why"] == "needs two processes"
+
+
+# --------------------------------------------------------------------------- the text
+
+#: what user-facing text must not hold: paths outside the repository, issue numbers,
+#: descriptions of the machine the project was developed on
+FORBIDDEN = {
+    "a path outside the repository": re.compile(r"(?<![\w./-])shared/\w"),
+    "an issue number": re.compile(r"\bissues? ?#?\d+|\bissue-\d+|\bthe issue's\b", re.I),
+    "a machine description": re.compile(
+        r"\bVMs?\b|\bthis \d+-core\b|\bthe project's (shared )?(machine|computer)"
+    ),
+}
+
+
+def _user_facing_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "mkdocs.yml", *DOC_PAGES[1:]]
+    files += sorted((ROOT / "examples").glob("*.ipynb"))
+    files += sorted((ROOT / "functorch_optim").rglob("*.py"))  # docstrings and CLI output
+    files += sorted((ROOT / "benchmarks").rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.md"))
+    return sorted(set(files))
+
+
+def _notebook_text(path: Path) -> str:
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    parts = []
+    for cell in cells:
+        parts.append("".join(cell["source"]))
+        for output in cell.get("outputs", ()):
+            parts.append("".join(output.get("text", "")))
+            parts.append("".join(output.get("data", {}).get("text/plain", "")))
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("path", _user_facing_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_facing_text_speaks_of_the_project_alone(path):
+    text = _notebook_text(path) if path.suffix == ".ipynb" else path.read_text()
+    found = [
+        f"{what}: {m.group(0)!r} in {line.strip()[:120]!r}"
+        for what, pattern in FORBIDDEN.items()
+        for line in text.splitlines()
+        for m in [pattern.search(line)]
+        if m
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_text_check_finds_what_it_forbids():
+    samples = ["see shared/seeds", "(issue 7)", "issue-7 targets", "on this 2-core VM", "the issue's grid"]
+    for sample in samples:
+        assert any(p.search(sample) for p in FORBIDDEN.values()), sample
+    allowed = ["on your machine", "tests/test_sharding.py", "fo.shared_state", "2 x86_64 cores"]
+    for sample in allowed:
+        assert not any(p.search(sample) for p in FORBIDDEN.values()), sample
