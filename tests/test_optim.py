@@ -20,9 +20,10 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim.interop.torch import flatten_names
 from functorch_optim.optim import SGD, Optimizer, group_by, make_optimizer_class, state_dict_to_torch
 from functorch_optim.optim._optimizer import _BACKWARD, _STEP
-from tests.helpers import rel_err
+from tests.helpers import CompileCounter, rel_err
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -319,9 +320,11 @@ def sd_setup(dtype=np.float64):
 
 
 def torch_run(groups_np, stream, start_sd=None):
+    # built from named tensors, as from model.named_parameters(): torch's groups carry param_names
     tensors = [torch_tensors(g) for g in groups_np]
+    named = [list(zip(flatten_names(g), ts, strict=True)) for g, ts in zip(groups_np, tensors, strict=True)]
     t_opt = torch.optim.SGD(
-        [{"params": ts, **kw} for ts, kw in zip(tensors, SD_GROUP_KW, strict=True)], foreach=False
+        [{"params": nts, **kw} for nts, kw in zip(named, SD_GROUP_KW, strict=True)], foreach=False
     )
     if start_sd is not None:
         t_opt.load_state_dict(start_sd)
@@ -452,9 +455,9 @@ def test_adam_like_step_state_round_trips_with_torch_adam():
     sd = opt.state_dict()
     ref = t_opt.state_dict()
     assert sorted(sd["state"][1]) == sorted(ref["state"][1]) == ["exp_avg", "exp_avg_sq", "step"]
-    assert sd["state"][0]["step"].dtype == np.float32 and float(sd["state"][0]["step"]) == 12.0
+    assert sd["state"][0]["step"].dtype == torch.float32 and float(sd["state"][0]["step"]) == 12.0
     back = torch.optim.Adam(torch_tensors(params), lr=0.5, foreach=False)
-    back.load_state_dict(state_dict_to_torch(sd))
+    back.load_state_dict(sd)  # torch tensors already: no conversion
     assert back.param_groups[0]["lr"] == 0.01
     assert back.state_dict()["state"][1]["step"].item() == 9.0
     # never stepped -> no entry, like torch's lazy state
@@ -1038,7 +1041,8 @@ def test_lbfgs_facade_groups_hparams_and_errors():
     opt = LBFGS([{"params": {"x": jnp.zeros(3)}, "lr": 0.25}], max_iter=4)
     group = opt.param_groups[0]
     assert (group["lr"], group["max_iter"], group["max_eval"]) == (0.25, 4, 5)
-    assert opt.state_dict() == {"state": {}, "param_groups": [{**opt.defaults, "lr": 0.25, "params": [0]}]}
+    expected = {**opt.defaults, "lr": 0.25, "params": [0], "param_names": ["x"]}
+    assert opt.state_dict() == {"state": {}, "param_groups": [expected]}
     opt.zero_grad()  # no gradients to reset: the closure computes them
 
     def closure(p):
@@ -1066,3 +1070,74 @@ def opt_compiles():
     from functorch_optim.optim._lbfgs import _STEP as LBFGS_STEP
 
     return LBFGS_STEP._cache_size()
+
+
+# ---------------------------------------------------------------------------------------
+# schedules: optimizers of one configuration share one compiled step
+# ---------------------------------------------------------------------------------------
+
+
+def _sweep(make_schedule, n=20, steps=3):
+    """``n`` SGD facades, schedule ``make_schedule(i)``, ``steps`` steps each, against torch."""
+    w0, grad = np.array([1.0, -2.0]), np.array([0.5, 1.0])
+    with CompileCounter() as compiled:
+        for i in range(n):
+            sched, torch_sched = make_schedule(i)
+            opt = SGD({"w_sweep": jnp.asarray(w0)}, lr=sched, momentum=0.9)
+            tw = torch.tensor(w0, requires_grad=True)
+            topt = torch.optim.SGD([tw], lr=1.0, momentum=0.9)
+            tsched = torch_sched(topt)
+            for _ in range(steps):
+                opt.grad = {"w_sweep": jnp.asarray(grad)}
+                opt.step()
+                tw.grad = torch.tensor(grad)
+                topt.step()
+                tsched.step()
+            np.testing.assert_allclose(opt.params["w_sweep"], tw.detach().numpy(), rtol=1e-15, atol=0)
+    return compiled.count
+
+
+def _torch_step_lr(lr, **kw):
+    def make(topt):
+        topt.param_groups[0]["lr"] = lr
+        return torch.optim.lr_scheduler.StepLR(topt, **kw)
+
+    return make
+
+
+def test_facades_whose_schedules_differ_in_lr_share_one_compiled_step():
+    _sweep(lambda i: (fo.schedules.step_lr(0.5, 1, 0.5), _torch_step_lr(0.5, step_size=1, gamma=0.5)), n=1)
+    before = _STEP._cache_size()
+    count = _sweep(
+        lambda i: (
+            fo.schedules.step_lr(0.1 + 0.01 * i, step_size=1, gamma=0.5),
+            _torch_step_lr(0.1 + 0.01 * i, step_size=1, gamma=0.5),
+        )
+    )
+    assert count == 0 and _STEP._cache_size() == before  # the warm-up's compiled step serves all 20
+
+
+def test_facades_whose_schedules_differ_in_structure_do_not_share_a_step():
+    # a different gamma or step size is another step: torch's numbers for each
+    _sweep(
+        lambda i: (
+            fo.schedules.step_lr(0.1, step_size=1 + i % 2, gamma=(0.5, 0.25)[i // 2]),
+            _torch_step_lr(0.1, step_size=1 + i % 2, gamma=(0.5, 0.25)[i // 2]),
+        ),
+        n=4,
+    )
+
+
+def test_a_schedule_holding_user_code_is_never_shared():
+    # the lambda reads a variable that changes between two builds: each facade traces it anew
+    factor = {"value": 0.5}
+    fn = lambda e: factor["value"] ** e  # noqa: E731
+    params = []
+    for value in (0.5, 0.25):
+        factor["value"] = value
+        opt = SGD({"w_user_code": jnp.array([1.0])}, lr=fo.schedules.lambda_lr(0.1, fn))
+        for _ in range(2):
+            opt.grad = {"w_user_code": jnp.array([1.0])}
+            opt.step()
+        params.append(float(opt.params["w_user_code"][0]))
+    assert params == [1.0 - 0.1 - 0.1 * 0.5, 1.0 - 0.1 - 0.1 * 0.25]  # lr 0.1, then 0.1 * factor

@@ -35,6 +35,7 @@ from functorch_optim.optim._optimizer import (
     group_by,
     make_optimizer_class,
     path_name,
+    state_dict_to_numpy,
     state_dict_to_torch,
 )
 
@@ -93,5 +94,6 @@ __all__ = [
     "lr_scheduler",
     "make_optimizer_class",
     "path_name",
+    "state_dict_to_numpy",
     "state_dict_to_torch",
 ]

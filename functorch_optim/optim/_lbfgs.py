@@ -7,7 +7,6 @@ first parameter.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +17,16 @@ import numpy as np
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
 from functorch_optim._tree import PyTree, check_params
-from functorch_optim.optim._optimizer import _same
+from functorch_optim.interop.torch import _to_numpy
+from functorch_optim.optim._optimizer import (
+    Optimizer,
+    _as_tuples,
+    _same,
+    _torch_available,
+    check_names,
+    export_state_dict,
+    read_state_dict,
+)
 
 #: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
 _ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
@@ -34,19 +42,13 @@ def _run(tx, closure, params, state):
 _STEP = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2, 3))
 
 
-def _np(x: Any) -> Any:
-    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
-
-
 def _own(tree: PyTree) -> PyTree:
     # distinct buffers per leaf (init shares its zeros), as donation requires
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 def _scalar(x: Any) -> float:
-    return float(_np(x))
+    return float(_to_numpy(x))
 
 
 class LBFGS:
@@ -57,7 +59,8 @@ class LBFGS:
     arguments, names and defaults (``max_eval=None`` becomes ``max_iter * 5 // 4``, as
     torch stores it). ``params`` is one pytree of floating point arrays (copied);
     ``opt.params`` returns the current ones. Parameter order (torch's numbering, the
-    flat vectors' layout) is ``jax.tree.leaves`` order.
+    flat vectors' layout) is ``jax.tree.leaves`` order; parameter names
+    (``param_names``) and their check on loading are ``Optimizer``'s.
 
     The one difference from torch is the closure. torch's closure re-evaluates the
     model and calls ``loss.backward()``; here it must be a pure, jittable function of
@@ -130,16 +133,21 @@ class LBFGS:
         ):
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
-            config.update({k: v for k, v in params[0].items() if k != "params"})
+            overrides = {k: v for k, v in params[0].items() if k != "params"}
             params = params[0]["params"]
+        else:
+            overrides = {}
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
         check_params(params)
+        (names,), _ = Optimizer._resolve_names([params], [overrides], [Optimizer._tree_names(params)])
+        config.update({k: v for k, v in overrides.items() if k != "param_names"})
         tx = lbfgs(**config)
         self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         self._tx = tx
         self._state = _own(tx.init(self._params))
-        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **config}]
+        named = {} if names is None else {"param_names": names}
+        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **named, **config}]
         self._applied = dict(config)
 
     # -- parameters and state -------------------------------------------------------------
@@ -242,7 +250,7 @@ class LBFGS:
         return entry
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's ``LBFGS`` layout, with NumPy arrays and Python numbers.
+        """The state in torch's ``LBFGS`` layout, with torch tensors and Python numbers.
 
         ``{"state": {0: {...}}, "param_groups": [{"lr": …, …, "params": [0, 1, …]}]}``:
         torch keeps LBFGS's global state under its first parameter: ``func_evals``,
@@ -250,7 +258,9 @@ class LBFGS:
         ``old_stps``, ``ro`` (lists, oldest first), ``H_diag`` (``1`` until a pair is
         stored, then a 0-d array), ``prev_flat_grad``, ``prev_loss`` (float); from the
         second iteration on ``al`` (torch's scratch list, recomputed). Empty before the
-        first step. Load it into ``torch.optim.LBFGS`` with ``state_dict_to_torch``.
+        first step. It loads into ``torch.optim.LBFGS`` as it is, and ``torch.load``
+        reads what ``torch.save`` writes of it with ``weights_only=True`` (without torch
+        installed: NumPy arrays, see ``Optimizer.state_dict``).
 
         Returns:
           The state dict; it can be pickled, and loaded by ``load_state_dict``.
@@ -258,7 +268,8 @@ class LBFGS:
         entry = self._torch_entry()
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(jax.tree.leaves(self._params))))
-        return {"state": {0: entry} if entry else {}, "param_groups": [group]}
+        sd = {"state": {0: entry} if entry else {}, "param_groups": [group]}
+        return export_state_dict(sd, tensors=_torch_available())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: this class's own or ``torch.optim.LBFGS``'s.
@@ -278,7 +289,7 @@ class LBFGS:
             parameters' or a history longer than ``history_size``. Nothing changes when
             it raises.
         """
-        groups = list(state_dict["param_groups"])
+        groups, entries = read_state_dict(state_dict)
         if len(groups) != 1:
             raise ValueError("loaded state dict has a different number of parameter groups")
         saved = groups[0]
@@ -287,15 +298,15 @@ class LBFGS:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
-        entries = dict(state_dict["state"])
         first = saved["params"][0]
+        check_names(0, saved, self.param_groups[0].get("param_names"))
         entry = entries.get(first, {})
         config = {k: self.param_groups[0][k] for k in _ARGS}
-        config.update({k: copy.deepcopy(saved[k]) for k in _ARGS if k in saved})
+        config.update({k: _as_tuples(saved[k], config[k]) for k in _ARGS if k in saved})
         config = {k: to_python(v) if k in _NUMERIC else v for k, v in config.items()}
         tx = lbfgs(**config)
         state = self._state_from_entry(tx, entry)
-        extra = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _ARGS and k != "params"}
+        extra = {k: v for k, v in saved.items() if k not in _ARGS and k != "params"}
         self._tx, self._state = tx, state
         self.param_groups[0] = {**self.param_groups[0], **extra, **config, "params": self._params}
         self._applied = dict(config)
@@ -312,7 +323,7 @@ class LBFGS:
             size = fresh.ro.shape[0]
 
             def vector(name: str, value: Any) -> jax.Array:
-                v = _np(value).reshape(-1)
+                v = _to_numpy(value).reshape(-1)
                 if v.shape != (n,):
                     raise ValueError(
                         f"loaded state dict: {name} has {v.shape[0]} entries, the parameters have {n}"
