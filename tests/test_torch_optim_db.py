@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 import zlib
 from collections.abc import Callable, Mapping
@@ -245,8 +246,6 @@ def _facade_class(name: str) -> Callable[..., Any]:
 
 
 def _takes(optimizer: str, arg: str) -> bool:
-    import inspect
-
     return arg in inspect.signature(get_spec(optimizer).factory).parameters
 
 
@@ -275,7 +274,7 @@ def _assert_close(ours: Any, theirs: Any, rtol: float, where: str, scale: float 
     err = float(np.max(np.abs(a - b)))
     scale = float(np.max(np.abs(b))) if scale is None else scale
     rel = err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
-    assert rel <= rtol, f"{where}: rel err {rel:.3g} > {rtol:.3g} (abs {err:.3g}, max |torch| {scale:.3g})"
+    assert rel <= rtol, f"{where}: rel err {rel:.3g} > {rtol:.3g} (abs {err:.3g}, scale {scale:.3g})"
     return rel
 
 
@@ -329,8 +328,9 @@ def _lbfgs_al_scale(entry: Mapping[str, Any], i: int, grad_floor: float = 0.0) -
 def _build(case: ConfigCase, rng: np.random.Generator):
     """torch's parameters, groups and loss input for the case's layout (NumPy arrays).
 
-    Returns ``(arrays, groups, outer)``: the parameter arrays, the groups as lists of
-    indices into ``arrays`` with their keyword overrides, and the outer keyword arguments.
+    Returns ``(arrays, groups, outer, inputs)``: the parameter arrays, the groups as lists
+    of indices into ``arrays`` with their keyword overrides, the outer keyword arguments and
+    the loss's input vector.
     """
     dt = np.dtype(case.dtype)
     muon = case.optimizer == "Muon"  # 2-D parameters only: a column bias and input
