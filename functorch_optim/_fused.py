@@ -204,8 +204,15 @@ def _call(
 def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorithm:
     """``algorithm`` with ``kernel`` as its ``fused_step``. Builds the kernel library now,
     so that a missing compiler is reported at construction, before any state exists.
-    (torch's "floating point params only" check for ``fused`` is every optimizer's here.)"""
+    (torch's "floating point params only" check for ``fused`` is every optimizer's here.)
+    One object per pair: optimizers of one configuration share their compiled step (the
+    facade's transformation cache is keyed by the algorithm)."""
     load_kernels()
+    return _fused_algorithm(algorithm, kernel)
+
+
+@functools.cache
+def _fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorithm:
     return dataclasses.replace(
         algorithm, fused_step=_fused_step(kernel, algorithm), fused_window=_fused_window(kernel)
     )

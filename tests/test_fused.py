@@ -191,6 +191,23 @@ def test_facade_passes_fused_through():
     _assert_same_bits(out[1], out[0])
 
 
+@pytest.mark.parametrize("cls", ["SGD", "Adam", "AdamW", "Adagrad"])
+def test_fused_facades_of_one_configuration_share_one_compiled_step(cls):
+    from functorch_optim.optim._optimizer import _STEP
+
+    # a structure no other test uses, so the first step compiles here
+    make = lambda lr: getattr(fo.optim, cls)({"w_fused_share": jnp.ones(3)}, lr=lr, fused=True)
+    grad = {"w_fused_share": jnp.array([1.0, -2.0, 0.5])}
+    opt = make(0.1)
+    opt.grad = grad
+    opt.step()
+    compiled = _STEP._cache_size()
+    twin = make(0.2)
+    twin.grad = grad
+    twin.step()
+    assert _STEP._cache_size() == compiled
+
+
 def test_a_missing_compiler_is_reported(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(_fused.shutil, "which", lambda name: None)
