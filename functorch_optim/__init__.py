@@ -45,6 +45,7 @@ from functorch_optim._sharding import data_parallel_grad, state_shardings
 
 # the torch.optim-shaped facade, a subpackage (imported last: it builds on the above)
 from functorch_optim import optim  # isort: skip
+from functorch_optim import nn  # isort: skip
 from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
 from functorch_optim._muon import muon
 from functorch_optim._sparse_adam import sparse_adam
@@ -92,6 +93,7 @@ __all__ = [
     "lbfgs_step",
     "muon",
     "nadam",
+    "nn",
     "optim",
     "radam",
     "ravel_by_dtype",
