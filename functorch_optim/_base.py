@@ -85,7 +85,9 @@ class Algorithm:
         new_buffers)``, torch's loop body for one parameter. ``step`` is the int32 count
         of gradients this parameter has received including this one (1 on its first
         step); ``hparams`` are arrays in the hyperparameter dtype (cast them to the
-        parameter's compute dtype where torch would).
+        parameter's compute dtype where torch would). A rule whose counter counts
+        something else returns its own ``step`` among the new buffers (SGD with a
+        buffer: the steps taken with momentum != 0).
       torch_step: how torch's per-parameter state holds ``step`` (used by the facade's
         ``state_dict``): ``"tensor"`` (default), a 0-d float tensor of torch's default
         dtype, as Adam, AdamW, RMSprop, Adagrad, … keep it; ``"int"``, a Python int

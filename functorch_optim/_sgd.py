@@ -73,11 +73,13 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening), each op rounded
         decayed = (c(buf) * momentum).astype(dtype)
         new_buf = (c(decayed) + hp["one_minus_dampening"] * c(g)).astype(dtype)
-        # torch seeds a missing buffer with the raw gradient: dampening skipped on step 1
+        # torch creates the buffer on the first step with momentum != 0, seeded with the
+        # raw gradient (no dampening); ``step`` counts those steps: 1 = the buffer is new
         new_buf = jnp.where(step == 1, g, new_buf)
         use = hp["use_momentum"]
         new_buf = jnp.where(use, new_buf, buf)
         out["momentum_buffer"] = new_buf
+        out["step"] = jnp.where(use, step, step - 1)
         # Two passes over memory, each fused by XLA: this one writes the buffer, the next
         # reads it back together with fresh reads of param and grad. The barrier stops XLA
         # from sharing the decayed gradient between the passes (it would materialize it:
@@ -123,7 +125,7 @@ def sgd(
 
         g_t &\leftarrow -g_t \quad \text{if maximize} \\
         g_t &\leftarrow g_t + \lambda \theta_{t-1} \quad \text{if } \lambda \ne 0 \\
-        b_t &\leftarrow \begin{cases} g_t & \text{first gradient of } \theta \\
+        b_t &\leftarrow \begin{cases} g_t & \text{first step of } \theta \text{ with } \mu \ne 0 \\
                        \mu b_{t-1} + (1 - \tau) g_t & \text{otherwise} \end{cases} \\
         g_t &\leftarrow g_t + \mu b_t \ \text{if nesterov, else}\ b_t
               \quad (\text{if } \mu \ne 0) \\
@@ -151,9 +153,12 @@ def sgd(
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
-      ``buffers["momentum_buffer"]`` (when momentum > 0) and ``buffers["step"]``, the
-      number of gradients each parameter has received (torch keeps no ``step`` for SGD;
-      it is how the first-gradient rule survives ``jit``).
+      ``buffers["momentum_buffer"]`` (when momentum > 0) and ``buffers["step"]``
+      (torch keeps no ``step`` for SGD; it is how the first-gradient rule survives
+      ``jit``): with a buffer, the number of steps a parameter took with momentum != 0
+      (torch creates the buffer, seeded with the raw gradient, on the first of them, so
+      ``step > 0`` is torch's "the buffer exists"; a step while ``set_hparams`` holds
+      momentum at 0 leaves it), else the number of gradients it has received.
 
     Raises:
       ValueError: ``Invalid learning rate: {lr}``, ``Invalid momentum value: {momentum}``,
