@@ -31,7 +31,7 @@ import optax
 
 from functorch_optim._hyperparams import HParams, Validator, as_hparam, to_python
 from functorch_optim._sharding import sharded_init
-from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
+from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
 StepFn = Callable[..., tuple[PyTree, PyTree]]
 
@@ -184,7 +184,7 @@ def make_optimizer(
         treedef = jax.tree.structure(params)
         p_leaves = treedef.flatten_up_to(params)
         g_leaves = treedef.flatten_up_to(grads)
-        m_leaves = treedef.flatten_up_to(grad_mask) if grad_mask is not None else [None] * len(p_leaves)
+        m_leaves = grad_mask_leaves(params, grad_mask) if grad_mask is not None else [None] * len(p_leaves)
         names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]

@@ -65,6 +65,44 @@ def check_like_params(params: PyTree, other: PyTree, what: str = "grads") -> Non
     Raises:
       ValueError: naming the first differing path and showing both structures.
     """
+    p_leaves, o_leaves = _check_structure(params, other, what)
+    for (path, p), (_, o) in zip(p_leaves, o_leaves):
+        if o is None:
+            continue
+        if jnp.shape(o) != jnp.shape(p):
+            raise ValueError(
+                f"{what} at {keystr(path)} has shape {jnp.shape(o)}, but the parameter has "
+                f"shape {jnp.shape(p)}"
+            )
+
+
+def grad_mask_leaves(params: PyTree, grad_mask: PyTree) -> list[Any]:
+    """``grad_mask``'s flags, one per parameter leaf, after checking its structure and leaves.
+
+    Like ``check_like_params``, static: under ``jit`` it raises at trace time.
+
+    Raises:
+      ValueError: naming the first path where ``grad_mask``'s structure differs from
+        the params' (a missing or extra key), or a leaf that is not a boolean scalar
+        (a Python bool or a 0-d bool array), with its shape and dtype.
+    """
+    _, m_leaves = _check_structure(params, grad_mask, "grad_mask")
+    for path, m in m_leaves:
+        if isinstance(m, bool):
+            continue
+        dtype = getattr(m, "dtype", None)
+        if dtype != jnp.bool_ or jnp.shape(m) != ():
+            got = type(m).__name__ if dtype is None else f"an array of shape {jnp.shape(m)} and dtype {dtype}"
+            raise ValueError(
+                f"grad_mask at {keystr(path)} must be a boolean scalar (True: the parameter has a "
+                f"gradient in this call), got {got}"
+            )
+    return [m for _, m in m_leaves]
+
+
+def _check_structure(params: PyTree, other: PyTree, what: str) -> tuple[list, list]:
+    """``(path, leaf)`` pairs of ``params`` and ``other`` (``None`` kept), after checking
+    that both have the same paths."""
     p_leaves = leaves_with_path(params)
     o_leaves = leaves_with_path(other, keep_none=True)
     p_paths = [path for path, _ in p_leaves]
@@ -85,14 +123,7 @@ def check_like_params(params: PyTree, other: PyTree, what: str = "grads") -> Non
             f"  params: {jax.tree.structure(params)}\n"
             f"  {what}: {jax.tree.structure(other, is_leaf=is_none)}"
         )
-    for (path, p), (_, o) in zip(p_leaves, o_leaves):
-        if o is None:
-            continue
-        if jnp.shape(o) != jnp.shape(p):
-            raise ValueError(
-                f"{what} at {keystr(path)} has shape {jnp.shape(o)}, but the parameter has "
-                f"shape {jnp.shape(p)}"
-            )
+    return p_leaves, o_leaves
 
 
 def map_with_none(fn: Callable[..., Any], grads: PyTree, *rest: PyTree) -> PyTree:

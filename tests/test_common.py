@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,55 @@ def test_state_pickle_round_trip(spec):
     a, _ = fo.step(tx, params, grads[3], state)
     b, _ = fo.step(tx, params, grads[3], restored)
     assert rel_err(a, b) == 0.0
+
+
+def _mask_like(params, value):
+    return jax.tree.map(lambda _: value, params)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["step", "grad_accumulate"])
+def test_grad_mask_leaf_must_be_a_boolean_scalar(spec, accumulate):
+    tx = spec.factory(**_config(spec))
+    if accumulate:
+        tx = fo.grad_accumulate(tx, every=2)
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    first = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
+    bad = {
+        "array of shape (3,)": jnp.array([True, False, True]),
+        "dtype int32": jnp.array(1, jnp.int32),
+        "dtype float": jnp.array(1.0),
+        "NoneType": None,
+    }
+    for what, leaf in bad.items():
+        mask = _mask_like(params, jnp.array(True))
+        paths, treedef = jax.tree_util.tree_flatten_with_path(mask)
+        mask = treedef.unflatten([leaf] + [m for _, m in paths[1:]])
+        for step in (fo.step, jax.jit(fo.step, static_argnums=0)):
+            with pytest.raises(
+                ValueError,
+                match=rf"grad_mask at {re.escape(first)} must be a boolean scalar.*{re.escape(what)}",
+            ):
+                step(tx, params, grads[0], state, grad_mask=mask)
+    # the accepted forms: Python bools and 0-d bool arrays, mixed
+    ok = _mask_like(params, True)
+    ok = jax.tree.map(lambda m, i=iter(range(99)): m if next(i) % 2 else jnp.array(True), ok)
+    p_mask, s_mask = fo.step(tx, params, grads[0], state, grad_mask=ok)
+    p_plain, s_plain = fo.step(tx, params, grads[0], state)
+    assert rel_err(p_mask, p_plain) == 0.0
+    assert jax.tree.map(jnp.shape, s_mask) == jax.tree.map(jnp.shape, s_plain)
+
+
+def test_grad_mask_missing_key_names_the_path(spec):
+    tx = spec.factory(**_config(spec))
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    last = paths[-1][0]
+    mask = _mask_like(params, True)
+    container = functools.reduce(lambda t, k: t[k.key if hasattr(k, "key") else k.idx], last[:-1], mask)
+    del container[last[-1].key if hasattr(last[-1], "key") else last[-1].idx]
+    with pytest.raises(
+        ValueError, match=rf"grad_mask lack the parameter at {re.escape(jax.tree_util.keystr(last))}"
+    ):
+        fo.step(tx, params, grads[0], state, grad_mask=mask)
