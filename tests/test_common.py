@@ -161,8 +161,8 @@ def test_grad_mask_leaf_must_be_a_boolean_scalar(spec, accumulate):
             ):
                 step(tx, params, grads[0], state, grad_mask=mask)
     # the accepted forms: Python bools and 0-d bool arrays, mixed
-    ok = _mask_like(params, True)
-    ok = jax.tree.map(lambda m, i=iter(range(99)): m if next(i) % 2 else jnp.array(True), ok)
+    leaves, treedef = jax.tree.flatten(params)
+    ok = treedef.unflatten([True if i % 2 else jnp.array(True) for i in range(len(leaves))])
     p_mask, s_mask = fo.step(tx, params, grads[0], state, grad_mask=ok)
     p_plain, s_plain = fo.step(tx, params, grads[0], state)
     assert rel_err(p_mask, p_plain) == 0.0
