@@ -85,9 +85,8 @@ class Algorithm:
         new_buffers)``, torch's loop body for one parameter. ``step`` is the int32 count
         of gradients this parameter has received including this one (1 on its first
         step); ``hparams`` are arrays in the hyperparameter dtype (cast them to the
-        parameter's compute dtype where torch would). A rule whose counter counts
-        something else returns its own ``step`` among the new buffers (SGD with a
-        buffer: the steps taken with momentum != 0).
+        parameter's compute dtype where torch would). ``step`` counts only the
+        steps that ``advances`` allows, where it is set.
       torch_step: how torch's per-parameter state holds ``step`` (used by the facade's
         ``state_dict``): ``"tensor"`` (default), a 0-d float tensor of torch's default
         dtype, as Adam, AdamW, RMSprop, Adagrad, … keep it; ``"int"``, a Python int
@@ -117,6 +116,12 @@ class Algorithm:
         ``hparams``, instead of each parameter repeating the same scalar ops (a step over
         1000 leaves would trace, lower and optimize them 1000 times). Default None:
         ``step_leaf`` gets the hyperparameters themselves.
+      advances: optional ``(hparams, static) -> bool scalar``, from the state's
+        hyperparameters: whether this step advances the per-parameter ``step``
+        counters (the ``one`` that ``step_leaf``'s ``step`` and ``fused_step``'s
+        counters advance by is 0 where not); default None, always (``step`` counts
+        gradients). SGD with a buffer counts only the steps taken with momentum != 0
+        (torch's buffer exists after the first of them).
     """
 
     name: str
@@ -128,6 +133,7 @@ class Algorithm:
     prepare: Callable[[Mapping[str, Any], Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
     fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
     fused_window: Callable[..., list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]] | None = None
+    advances: Callable[[Mapping[str, Any], Mapping[str, Any]], Any] | None = None
 
 
 def make_optimizer(
@@ -208,6 +214,13 @@ def make_optimizer(
 
         return hparams_of
 
+    def counter_one(state, hp):
+        # what the counters advance by: 1, or 0 on a step ``algorithm.advances`` excludes
+        one = _runtime_one(state.count)
+        if algorithm.advances is None:
+            return one
+        return jnp.where(algorithm.advances(hp, static), one, jnp.zeros_like(one))
+
     def advance(state, hp, stepping=None):
         # the step count and the schedules move by one step (only where ``stepping``)
         count = state.count + 1
@@ -236,7 +249,7 @@ def make_optimizer(
         treedef, leaves, olds = unpack(params, grads, state, grad_mask)
         hp = dict(state.hparams)
         hparams_of = prepared(hp)
-        one = _runtime_one(state.count)
+        one = counter_one(state, hp)
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
         if algorithm.fused_step is not None:
             outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
@@ -257,7 +270,7 @@ def make_optimizer(
         treedef, leaves, _ = unpack(params, grads, state, active)
         hp = dict(state.hparams)
         window = window._replace(accs=treedef.flatten_up_to(window.accs))
-        outs = algorithm.fused_window(leaves, window, prepared(hp), static, _runtime_one(state.count))
+        outs = algorithm.fused_window(leaves, window, prepared(hp), static, counter_one(state, hp))
         hparams, count = advance(state, hp, window.stepping)
         new_params, new_state = rebuild(
             treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count

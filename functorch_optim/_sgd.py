@@ -79,7 +79,6 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         use = hp["use_momentum"]
         new_buf = jnp.where(use, new_buf, buf)
         out["momentum_buffer"] = new_buf
-        out["step"] = jnp.where(use, step, step - 1)
         # Two passes over memory, each fused by XLA: this one writes the buffer, the next
         # reads it back together with fresh reads of param and grad. The barrier stops XLA
         # from sharing the decayed gradient between the passes (it would materialize it:
@@ -94,6 +93,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, out
 
 
+def _advances(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Any:
+    # with a buffer, ``step`` counts the steps taken with momentum != 0: torch's buffer
+    # exists once there was one (``step > 0``), and the first one seeds it
+    return hp["momentum"] != 0 if static["has_momentum"] else True
+
+
 SGD_ALGORITHM = Algorithm(
     name="SGD",
     validate=_validate,
@@ -101,6 +106,7 @@ SGD_ALGORITHM = Algorithm(
     step_leaf=_step_leaf,
     torch_step=None,
     prepare=_prepare,
+    advances=_advances,
 )
 
 
