@@ -59,20 +59,34 @@ def check_like_params(params: PyTree, other: PyTree, what: str = "grads") -> Non
     """Check that ``other`` has ``params``' structure, shapes and dtypes.
 
     ``None`` leaves of ``other`` are allowed anywhere a parameter leaf stands (a
-    parameter without gradient). Runs on static information only, so under ``jit`` it
-    raises at trace time, before anything is computed.
+    parameter without gradient); every other leaf must be an array (JAX or NumPy) of
+    the parameter's shape and dtype, as torch requires of ``p.grad`` (a complex, integer,
+    boolean or lower-precision gradient is not cast). Runs on static information only,
+    so under ``jit`` it raises at trace time, before anything is computed.
 
     Raises:
-      ValueError: naming the first differing path and showing both structures.
+      ValueError: naming the first differing path and showing both structures; or the
+        path of a leaf that is not an array, or whose shape or dtype differs from the
+        parameter's.
     """
     p_leaves, o_leaves = _check_structure(params, other, what)
     for (path, p), (_, o) in zip(p_leaves, o_leaves):
         if o is None:
             continue
+        if not hasattr(o, "dtype") or not hasattr(o, "shape"):
+            raise ValueError(
+                f"{what} at {keystr(path)} is a {type(o).__name__}, not an array (give an array "
+                f"of the parameter's shape {jnp.shape(p)} and dtype {p.dtype}, or None)"
+            )
         if jnp.shape(o) != jnp.shape(p):
             raise ValueError(
                 f"{what} at {keystr(path)} has shape {jnp.shape(o)}, but the parameter has "
                 f"shape {jnp.shape(p)}"
+            )
+        if o.dtype != p.dtype:
+            raise ValueError(
+                f"{what} at {keystr(path)} has dtype {o.dtype}, but the parameter has dtype "
+                f"{p.dtype} (torch: assigned grad has data of a different type)"
             )
 
 

@@ -182,3 +182,39 @@ def test_grad_mask_missing_key_names_the_path(spec):
         ValueError, match=rf"grad_mask lack the parameter at {re.escape(jax.tree_util.keystr(last))}"
     ):
         fo.step(tx, params, grads[0], state, grad_mask=mask)
+
+
+def _with_first_leaf(tree, leaf):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([leaf, *leaves[1:]])
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["step", "grad_accumulate"])
+def test_gradient_of_another_dtype_or_not_an_array_is_rejected(spec, accumulate):
+    # torch: "assigned grad has data of a different type"; a complex gradient lost its
+    # imaginary part, an int/bool/float32 one was cast silently
+    tx = spec.factory(**_config(spec))
+    if accumulate:
+        tx = fo.grad_accumulate(tx, every=2)
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    first = jax.tree.leaves(params)[0]
+    path = re.escape(jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0]))
+    for dtype in (jnp.float32, jnp.int32, jnp.bool_, jnp.complex128):
+        bad = _with_first_leaf(grads[0], jnp.ones(first.shape, dtype))
+        message = rf"grads at {path} has dtype {jnp.dtype(dtype)}, but the parameter has dtype float64"
+        for step in (fo.step, jax.jit(fo.step, static_argnums=0)):
+            with pytest.raises(ValueError, match=message):
+                step(tx, params, bad, state)
+    scalar = {"s": jnp.asarray(1.5)}
+    tx0 = spec.factory(**_config(spec)) if spec.shapes is None else None
+    if tx0 is not None:
+        with pytest.raises(ValueError, match=r"grads at \['s'\] is a float, not an array"):
+            fo.step(tx0, scalar, {"s": 0.5}, tx0.init(scalar))
+
+
+def test_lbfgs_gradient_of_another_dtype_is_rejected():
+    tx = fo.lbfgs(lr=1.0)
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"grads at \['w'\] has dtype float32, but the parameter"):
+        tx.update({"w": jnp.ones(3, jnp.float32)}, tx.init(params), params, value_fn=lambda p: jnp.sum(p["w"] ** 2))

@@ -502,14 +502,7 @@ class Optimizer:
     @grad.setter
     def grad(self, value: PyTree) -> None:
         check_like_params(self.params, value, "grad")
-        p_leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
         g_leaves = jax.tree.structure(self.params).flatten_up_to(value)
-        for (path, p), g in zip(p_leaves, g_leaves, strict=True):
-            if g is not None and jnp.result_type(g) != p.dtype:
-                raise ValueError(
-                    f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
-                    f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
-                )
         copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
         self._grads = list(self._layout.to_groups(copied))
         self._grads_all_none = all(g is None for g in g_leaves)
