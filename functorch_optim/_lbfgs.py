@@ -21,6 +21,7 @@ from jax.flatten_util import ravel_pytree
 
 from functorch_optim._base import STEP_ATTR
 from functorch_optim._hyperparams import HParams, hparam_dtype, to_python
+from functorch_optim._torch_ops import py_max, py_min
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
 
@@ -104,7 +105,8 @@ def _cubic_interpolate(x1, f1, g1, x2, f2, g2, bounds=None):
         x2 - (x2 - x1) * ((g2 + d2 - d1) / (g2 - g1 + 2 * d2)),
         x1 - (x1 - x2) * ((g1 + d2 - d1) / (g1 - g2 + 2 * d2)),
     )
-    clipped = jnp.minimum(jnp.maximum(min_pos, xmin_bound), xmax_bound)
+    # torch: min(max(min_pos, xmin_bound), xmax_bound), Python's min and max
+    clipped = py_min(py_max(min_pos, xmin_bound), xmax_bound)
     return jnp.where(real, clipped, (xmin_bound + xmax_bound) / 2.0)
 
 
@@ -185,9 +187,9 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, toleran
         b, low = z["bracket"], z["low"]
         high = 1 - low
         t = _cubic_interpolate(b[0, 0], b[0, 1], b[0, 2], b[1, 0], b[1, 1], b[1, 2])
-        b_max, b_min = jnp.maximum(b[0, 0], b[1, 0]), jnp.minimum(b[0, 0], b[1, 0])
+        b_max, b_min = py_max(b[0, 0], b[1, 0]), py_min(b[0, 0], b[1, 0])
         eps = 0.1 * (b_max - b_min)
-        near = jnp.minimum(b_max - t, t - b_min) < eps
+        near = py_min(b_max - t, t - b_min) < eps
         at_edge = z["insuf"] | (t >= b_max) | (t <= b_min)
         moved = jnp.where(jnp.abs(t - b_max) < jnp.abs(t - b_min), b_max - eps, b_min + eps)
         t = jnp.where(near & at_edge, moved, t)
@@ -305,7 +307,8 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
         d, old_dirs, old_stps, ro, count, h_diag = direction(c, first)
         g, loss = c["g"], c["loss"]
         # reset initial guess for step size: the first ever iteration scales by the L1 norm
-        t = jnp.where(first, jnp.minimum(1.0, 1.0 / jnp.sum(jnp.abs(g)).astype(sdt)) * lr, lr)
+        # torch: min(1.0, 1.0 / flat_grad.abs().sum()) * lr, Python's min (a NaN norm: 1)
+        t = jnp.where(first, py_min(1.0, 1.0 / jnp.sum(jnp.abs(g)).astype(sdt)) * lr, lr)
         gtd = jnp.dot(g, d)
         new = {
             **c,

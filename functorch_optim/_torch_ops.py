@@ -60,6 +60,23 @@ def signed_grad(grad: jax.Array, dtype: Any, maximize: bool) -> jax.Array:
     return -grad if maximize else grad
 
 
+def sign(x: jax.Array) -> jax.Array:
+    """torch's ``sign`` on the CPU: like ``jnp.sign``, but 0 for a NaN (``jnp.sign`` gives NaN)."""
+    return jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), jnp.sign(x))
+
+
+def py_max(first: Any, second: Any) -> jax.Array:
+    """Python's ``max(first, second)`` on the scalars torch computes in Python floats:
+    ``second`` only where it is greater, so a NaN ``second`` gives ``first`` (and a NaN
+    ``first`` stays), where ``jnp.maximum`` propagates either NaN."""
+    return jnp.where(second > first, second, first)
+
+
+def py_min(first: Any, second: Any) -> jax.Array:
+    """Python's ``min(first, second)``: ``second`` only where it is smaller (see ``py_max``)."""
+    return jnp.where(second < first, second, first)
+
+
 def lerp_formula(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
     """torch's CPU ``lerp`` formula (``aten/src/ATen/native/Lerp.h``), on values already in
     the compute dtype: two branches split at ``|weight| < 0.5``, exact at both ends."""
