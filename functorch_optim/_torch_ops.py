@@ -81,6 +81,7 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s, (a - (s - bb)) + (b - bb)
 
 
+@jax.custom_jvp
 def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     """``a * b + c`` rounded once, as the fused multiply-adds of torch's CPU kernels
     (``addcmul`` is ``fma(value * t1, t2, self)``, ``lerp`` and ``add(alpha=)`` are FMAs).
@@ -110,6 +111,32 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     tiny = jnp.finfo(a.dtype).tiny / jnp.finfo(a.dtype).eps
     usable = jnp.isfinite(plain) & jnp.isfinite(p) & (jnp.abs(p) > tiny)
     return jnp.where(usable, exact, plain)
+
+
+def rdiv(number: Any, tensor: jax.Array) -> jax.Array:
+    """torch's ``number / tensor`` (``Tensor.__rtruediv__``): ``tensor.reciprocal() *
+    number``, two roundings in the tensor's dtype. The barrier keeps XLA from folding
+    the product back into one division (one rounding)."""
+    reciprocal = jax.lax.optimization_barrier(1 / tensor)
+    return reciprocal * jnp.asarray(number).astype(tensor.dtype)
+
+
+@fma.defjvp
+def _fma_jvp(primals, tangents):
+    # the derivative of a * b + c (the bit manipulations have none)
+    a, b, c = primals
+    da, db, dc = tangents
+    return fma(a, b, c), da * b + a * db + dc
+
+
+def rounded_product(a: jax.Array, b: Any) -> jax.Array:
+    """``a * b`` in ``a``'s dtype, rounded before whatever follows: torch rounds every
+    tensor op, where XLA on the CPU may contract a product into a following add or
+    subtract (one FMA; neither an ``optimization_barrier`` nor a round trip through
+    float64 stops it). ``fma(a, b, 0)`` is the rounded product, and its result is a
+    select, which no contraction crosses."""
+    b = jnp.asarray(b).astype(a.dtype)
+    return fma(a, b, jnp.zeros_like(a))
 
 
 def sign(x: jax.Array) -> jax.Array:

@@ -354,12 +354,18 @@ def fast_jit(fn: Any, *args: Any) -> Any:
 
 
 @functools.cache
-def _jax_meta_grads_all(name: str, configs: tuple[tuple, ...], lr: float, steps: int) -> list:
-    """``jax.grad`` through ``steps`` of our steps for several configurations, one compilation."""
+def _jax_meta_grads_all(
+    name: str, configs: tuple[tuple, ...], lr: float, steps: int, tensor_lr: bool = True
+) -> list:
+    """``jax.grad`` through ``steps`` of our steps for several configurations, one compilation.
+
+    ``tensor_lr``: built with ``lr`` as an array, as torch gets a tensor ``lr`` (its
+    differentiable path then computes the step's scalars in lr's float64)."""
     p0_np, a, b, w = _meta_problem(steps)
     a_stack = [jnp.stack([jnp.asarray(a[t][i]) for t in range(steps)]) for i in range(len(p0_np))]
     b_stack = [jnp.stack([jnp.asarray(b[t][i]) for t in range(steps)]) for i in range(len(p0_np))]
-    txs = [get_spec(name).factory(differentiable=True, **dict(c)) for c in configs]
+    lr0 = np.asarray(lr) if tensor_lr else lr
+    txs = [get_spec(name).factory(differentiable=True, lr=lr0, **dict(c)) for c in configs]
 
     def loss(p0, lr, tx):
         state = fo.set_hparams(tx.init(p0), lr=lr)
@@ -398,7 +404,7 @@ def assert_meta_grads(
     config = configs[index]
     tg_p, tg_lr = torch_meta_grads(name, config, lr, default_dtype, steps, lr_grad)
     key = tuple(tuple(sorted(c.items())) for c in configs)
-    jg_p, jg_lr = _jax_meta_grads_all(name, key, lr, steps)[index]
+    jg_p, jg_lr = _jax_meta_grads_all(name, key, lr, steps, lr_grad)[index]
     err = rel_err(jg_p, tg_p)
     if lr_grad:
         err = max(err, abs(jg_lr - tg_lr) / abs(tg_lr))

@@ -217,4 +217,5 @@ def test_lbfgs_gradient_of_another_dtype_is_rejected():
     tx = fo.lbfgs(lr=1.0)
     params = {"w": jnp.ones(3)}
     with pytest.raises(ValueError, match=r"grads at \['w'\] has dtype float32, but the parameter"):
-        tx.update({"w": jnp.ones(3, jnp.float32)}, tx.init(params), params, value_fn=lambda p: jnp.sum(p["w"] ** 2))
+        value_fn = lambda p: jnp.sum(p["w"] ** 2)
+        tx.update({"w": jnp.ones(3, jnp.float32)}, tx.init(params), params, value_fn=value_fn)
