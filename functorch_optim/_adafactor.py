@@ -19,7 +19,7 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     del static
     lr, beta2_decay, (eps1, eps2) = hp["lr"], hp["beta2_decay"], hp["eps"]
     d, weight_decay = hp["d"], hp["weight_decay"]
-    if not lr >= 0.0:
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
     if not beta2_decay <= 0.0:
         raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")

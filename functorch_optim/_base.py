@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._hyperparams import HParams, Validator, as_hparam, to_python
+from functorch_optim._hyperparams import HParams, Validator, as_hparam, check_number, to_python
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
@@ -158,6 +158,8 @@ def make_optimizer(
     for k, driver in schedules.items():
         first[k], schedule_state[k] = driver.init_schedule()
     algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
+    for k, v in first.items():  # what no check of torch compared (a string dampening)
+        check_number(algorithm.name, k, v)
     for k, driver in schedules.items():
         check = getattr(driver, "check_hparams", None)
         if check is not None:

@@ -82,7 +82,7 @@ class LBFGSState(NamedTuple):
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr = hp["lr"]
-    if not lr >= 0.0:
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid learning rate: {lr}")
     history_size = static["history_size"]
     if not isinstance(history_size, int) or history_size < 1:

@@ -18,7 +18,7 @@ from functorch_optim._tree import opmath_dtype
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     del static
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    if not lr > 0.0:
+    if not 0.0 < lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid learning rate: {lr}")
     if not eps > 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
