@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from functorch_optim._checks import squeeze_lr
 from functorch_optim._hyperparams import HParams, Validator, as_hparam, check_number, to_python
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
@@ -153,6 +154,9 @@ def make_optimizer(
       ValueError: torch's message for an invalid hyperparameter, raised here, at
         construction, before any state exists.
     """
+    if "lr" in hparams:
+        # torch's first check in every constructor: "Tensor lr must be 1-element"
+        hparams = {**hparams, "lr": squeeze_lr(hparams["lr"])}
     schedules = {k: _driver(v) for k, v in hparams.items() if _is_scheduled(v)}
     first, schedule_state = dict(hparams), {}
     for k, driver in schedules.items():

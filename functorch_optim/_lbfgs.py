@@ -20,6 +20,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from functorch_optim._base import STEP_ATTR
+from functorch_optim._checks import squeeze_lr
 from functorch_optim._hyperparams import HParams, hparam_dtype, to_python
 from functorch_optim._torch_ops import py_max, py_min
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
@@ -487,7 +488,7 @@ def lbfgs(
     if max_eval is None:
         max_eval = max_iter * 5 // 4
     static = {"history_size": history_size, "line_search_fn": line_search_fn}
-    values = {"lr": lr, "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
+    values = {"lr": squeeze_lr(lr), "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
     _validate({k: to_python(v) for k, v in values.items()}, static)
     hdt = hparam_dtype()
     hp_values = {k: jnp.asarray(v, hdt) for k, v in values.items()}

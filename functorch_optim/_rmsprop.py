@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay, squeeze_lr
+from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay
 from functorch_optim._hyperparams import to_python
 from functorch_optim._torch_ops import fma, lerp_fma, op_casts, signed_grad
 
@@ -195,7 +195,7 @@ def rmsprop(
     """
     del capturable, foreach, differentiable
     hparams = {
-        "lr": squeeze_lr(lr),
+        "lr": lr,
         "alpha": alpha,
         "eps": eps,
         "weight_decay": weight_decay,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_lr, squeeze_lr
+from functorch_optim._checks import check_lr
 from functorch_optim._torch_ops import op_casts, sign, signed_grad, zero_buffers
 
 
@@ -150,5 +150,5 @@ def rprop(
       (``_single_tensor_rprop``).
     """
     del capturable, foreach, differentiable
-    hparams = {"lr": squeeze_lr(lr), "etas": tuple(etas), "step_sizes": tuple(step_sizes)}
+    hparams = {"lr": lr, "etas": tuple(etas), "step_sizes": tuple(step_sizes)}
     return make_optimizer(RPROP_ALGORITHM, hparams, {"maximize": bool(maximize)})

@@ -137,7 +137,40 @@ def _check_structure(params: PyTree, other: PyTree, what: str) -> tuple[list, li
             f"  params: {jax.tree.structure(params)}\n"
             f"  {what}: {jax.tree.structure(other, is_leaf=is_none)}"
         )
+    same = jax.tree.structure(params) == jax.tree.structure(other, is_leaf=is_none)
+    mismatch = None if same else _first_node_mismatch(params, other)
+    if mismatch is not None:
+        path, p_node, o_node = mismatch
+        raise ValueError(
+            f"{what} do not match the structure of params: at {keystr(path)} params have a "
+            f"{type(p_node).__name__} where {what} have a {type(o_node).__name__}.\n"
+            f"  params: {jax.tree.structure(params)}\n"
+            f"  {what}: {jax.tree.structure(other, is_leaf=is_none)}"
+        )
     return p_leaves, o_leaves
+
+
+def _children(node: Any) -> list[tuple[tuple, Any]]:
+    """A pytree node's immediate children with their keys (none for a leaf)."""
+    pairs = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    return [] if len(pairs) == 1 and pairs[0][1] is node else pairs
+
+
+def _first_node_mismatch(a: Any, b: Any, path: tuple = ()) -> tuple[tuple, Any, Any] | None:
+    """The first path (same keys on both sides) where the container types differ: a tuple
+    where the params have a list, say (``None`` in ``b`` matches any parameter leaf)."""
+    if b is None:
+        return None
+    a_children, b_children = _children(a), _children(b)
+    if not a_children and not b_children:
+        return None
+    if type(a) is not type(b):
+        return path, a, b
+    for (key, x), (_, y) in zip(a_children, b_children):
+        found = _first_node_mismatch(x, y, path + key)
+        if found is not None:
+            return found
+    return None
 
 
 def map_with_none(fn: Callable[..., Any], grads: PyTree, *rest: PyTree) -> PyTree:

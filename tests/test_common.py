@@ -219,3 +219,33 @@ def test_lbfgs_gradient_of_another_dtype_is_rejected():
     with pytest.raises(ValueError, match=r"grads at \['w'\] has dtype float32, but the parameter"):
         value_fn = lambda p: jnp.sum(p["w"] ** 2)
         tx.update({"w": jnp.ones(3, jnp.float32)}, tx.init(params), params, value_fn=value_fn)
+
+
+def test_a_tuple_where_params_have_a_list_is_named(spec):
+    tx = spec.factory(**_config(spec))
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    if not any(isinstance(v, list) for v in params.values()):
+        # a 2-D leaf: Muon takes matrices only
+        params = {**params, "extra": [jnp.ones((2, 3))]}
+        grads = [{**g, "extra": [jnp.ones((2, 3))]} for g in grads]
+        state = tx.init(params)
+    name = next(k for k, v in params.items() if isinstance(v, list))
+    bad = {**grads[0], name: tuple(grads[0][name])}
+    with pytest.raises(ValueError, match=rf"at \['{name}'\] params have a list where grads have a tuple"):
+        fo.step(tx, params, bad, state)
+
+
+def test_lr_array_of_two_elements_is_torchs_error(spec):
+    with pytest.raises(ValueError, match=r"^Tensor lr must be 1-element$"):
+        spec.factory(lr=jnp.array([1e-3, 1e-3]))
+
+
+def test_lbfgs_lr_array_of_two_elements_is_torchs_error():
+    with pytest.raises(ValueError, match=r"^Tensor lr must be 1-element$"):
+        fo.lbfgs(lr=jnp.array([1e-3, 1e-3]))
+
+
+def test_sparse_adam_betas_of_one_element_is_named():
+    with pytest.raises(ValueError, match=r"betas must be a pair \(beta1, beta2\).*got \(0.9,\)"):
+        fo.sparse_adam(betas=(0.9,))
