@@ -18,7 +18,7 @@ import numpy as np
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
 from functorch_optim._tree import PyTree, check_params
-from functorch_optim.optim._optimizer import _same
+from functorch_optim.optim._optimizer import Optimizer, _same
 
 #: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
 _ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
@@ -128,10 +128,14 @@ class LBFGS:
             and params
             and all(isinstance(g, Mapping) and "params" in g for g in params)
         ):
+            # torch's add_param_group runs first: its duplicate warning and error
+            Optimizer._check_duplicates([g["params"] for g in params])
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
             config.update({k: v for k, v in params[0].items() if k != "params"})
             params = params[0]["params"]
+        else:
+            Optimizer._check_duplicates([params])
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
         check_params(params)
