@@ -1,13 +1,14 @@
 """torch module weights ↔ nested JAX pytrees, by names.
 
 A torch module names its tensors with dotted paths (``"encoder.0.weight"``); here they
-become nested dicts (``{"encoder": {"0": {"weight": ...}}}``) of JAX arrays, and back.
+become nested ``OrderedDict`` s (``{"encoder": {"0": {"weight": ...}}}``) of JAX arrays,
+which JAX flattens in torch's ``named_parameters()`` order, and back.
 Start a JAX port and its torch reference from identical weights, compare gradients or
 trained weights leaf by leaf, or load JAX-trained weights into the torch module::
 
     from functorch_optim.interop.torch import tree_from_module, load_tree_into_module
 
-    params = tree_from_module(model)        # named_parameters() -> nested dict
+    params = tree_from_module(model)        # named_parameters() -> nested OrderedDict
     ...                                     # train with functorch_optim
     load_tree_into_module(model, params)    # and back, by name
 
@@ -40,15 +41,21 @@ __all__ = [
 SEP = "."
 
 
-def unflatten_names(flat: Mapping[str, Any], sep: str = SEP) -> dict[str, Any]:
-    """A flat ``{"a.b.c": x}`` mapping as nested dicts ``{"a": {"b": {"c": x}}}``.
+def unflatten_names(flat: Mapping[str, Any], sep: str = SEP) -> OrderedDict[str, Any]:
+    """A flat ``{"a.b.c": x}`` mapping as nested ``OrderedDict`` s ``{"a": {"b": {"c": x}}}``.
+
+    ``OrderedDict`` because JAX flattens it in insertion order (a plain ``dict`` in sorted
+    key order: ``"0.bias"`` before ``"0.weight"``, ``"10"`` before ``"2"``), so
+    ``jax.tree.leaves`` of the result lists the values in ``flat``'s order whenever the
+    names sharing a prefix are contiguous there, as ``model.named_parameters()`` and
+    ``model.state_dict()`` list them.
 
     Args:
       flat: names to values; names are split on ``sep``.
       sep: the separator, default ``"."`` (torch's).
 
     Returns:
-      Nested dicts in the order the names first appear.
+      Nested ``OrderedDict`` s in the order the names first appear.
 
     Raises:
       ValueError: when a name is both a value and a prefix of another name
@@ -56,17 +63,19 @@ def unflatten_names(flat: Mapping[str, Any], sep: str = SEP) -> dict[str, Any]:
 
     Examples:
       >>> from functorch_optim.interop.torch import unflatten_names
-      >>> unflatten_names({"fc.weight": 1, "fc.bias": 2, "scale": 3})
-      {'fc': {'weight': 1, 'bias': 2}, 'scale': 3}
+      >>> import jax
+      >>> tree = unflatten_names({"fc.weight": 1, "fc.bias": 2, "scale": 3})
+      >>> tree["fc"]["bias"], jax.tree.leaves(tree)
+      (2, [1, 2, 3])
     """
-    out: dict[str, Any] = {}
+    out: OrderedDict[str, Any] = OrderedDict()
     owner: dict[tuple[str, ...], str] = {}
     for name, value in flat.items():
         parts = name.split(sep)
         node = out
         for i, part in enumerate(parts[:-1]):
             prefix = tuple(parts[: i + 1])
-            child = node.setdefault(part, {})
+            child = node.setdefault(part, OrderedDict())
             if not isinstance(child, dict) or prefix in owner:
                 raise ValueError(
                     f"name {name!r} lies under {sep.join(prefix)!r}, which is itself a value; "
@@ -112,17 +121,55 @@ def _key_part(key: Any) -> str:
     return str(key)
 
 
+def _is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.Tensor`` (without importing torch)."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """A host NumPy copy of an array: a torch tensor, a JAX or NumPy array, a scalar.
+
+    bfloat16 tensors become ``ml_dtypes`` bfloat16 arrays (JAX's), which NumPy's own
+    conversion of a tensor refuses.
+    """
+    if _is_tensor(x):
+        import torch
+
+        t = x.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(jnp.bfloat16).copy()
+        return t.numpy().copy()
+    return np.array(x, copy=True)
+
+
+def _to_tensor(x: Any) -> Any:
+    """A ``torch.Tensor`` copy of an array (NumPy, JAX or torch), bfloat16 included."""
+    import torch
+
+    if _is_tensor(x):
+        return x.detach().clone()
+    arr = np.array(x, copy=True)
+    if arr.dtype == jnp.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
 def _to_jax(tensor: Any, dtype: Any) -> jax.Array:
-    arr = tensor.detach().cpu().numpy()
-    if dtype is not None and np.issubdtype(arr.dtype, np.floating):
+    arr = _to_numpy(tensor)
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
         arr = arr.astype(dtype)
     return jnp.asarray(arr)
 
 
 def tree_from_module(
     module: Any, *, buffers: bool = False, dtype: Any = None, sep: str = SEP
-) -> dict[str, Any]:
-    """A torch module's ``named_parameters()`` as a nested dict of JAX arrays.
+) -> OrderedDict[str, Any]:
+    """A torch module's ``named_parameters()`` as nested ``OrderedDict`` s of JAX arrays.
+
+    The tree flattens (``jax.tree.leaves``) in ``named_parameters()`` order, so an
+    optimizer built from it numbers the parameters as ``torch.optim.X(model.parameters())``
+    does: the facade's ``state_dict()`` ids and ``param_names`` are torch's, and state
+    dicts move between the two without reordering.
 
     Args:
       module: a ``torch.nn.Module``.
@@ -132,16 +179,19 @@ def tree_from_module(
       sep: the name separator, default ``"."``.
 
     Returns:
-      Nested dicts by name parts, of JAX arrays (copies).
+      Nested ``OrderedDict`` s by name parts, of JAX arrays (copies); with ``buffers``,
+      the parameters keep ``named_parameters()`` order among themselves.
 
     Examples:
-      >>> import torch
-      >>> from functorch_optim.interop.torch import tree_from_module
+      >>> import jax, torch
+      >>> from functorch_optim.interop.torch import flatten_names, tree_from_module
       >>> _ = torch.manual_seed(0)
       >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
       >>> params = tree_from_module(model)
       >>> {k: {n: v.shape for n, v in layer.items()} for k, layer in params.items()}
       {'0': {'weight': (2, 3), 'bias': (2,)}, '2': {'weight': (1, 2), 'bias': (1,)}}
+      >>> list(flatten_names(params)) == [n for n, _ in model.named_parameters()]
+      True
     """
     named = OrderedDict((n, _to_jax(p, dtype)) for n, p in module.named_parameters())
     if buffers:
@@ -151,7 +201,7 @@ def tree_from_module(
 
 def tree_from_state_dict(
     state_dict: Mapping[str, Any], *, dtype: Any = None, sep: str = SEP
-) -> dict[str, Any]:
+) -> OrderedDict[str, Any]:
     """A torch ``state_dict()`` (parameters and buffers) as a nested dict of JAX arrays.
 
     Args:
@@ -160,7 +210,8 @@ def tree_from_state_dict(
       sep: the name separator, default ``"."``.
 
     Returns:
-      Nested dicts of JAX arrays; integer buffers (``num_batches_tracked``) stay integer.
+      Nested ``OrderedDict`` s of JAX arrays in the state dict's order; integer buffers
+      (``num_batches_tracked``) stay integer.
 
     Examples:
       >>> import torch
@@ -191,13 +242,11 @@ def tree_to_state_dict(tree: PyTree, *, dtype: Any = None, sep: str = SEP) -> Or
       >>> {k: tuple(v.shape) for k, v in sd.items()}
       {'fc.bias': (1,), 'fc.weight': (1, 2)}
     """
-    import torch
-
     out: OrderedDict[str, Any] = OrderedDict()
     for name, leaf in flatten_names(tree, sep).items():
         if leaf is None:
             continue
-        t = torch.from_numpy(np.array(leaf))
+        t = _to_tensor(leaf)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         out[name] = t
@@ -252,11 +301,11 @@ def load_tree_into_module(module: Any, tree: PyTree, *, strict: bool = True, sep
         for name, value in flat.items():
             if name in targets:
                 dst = targets[name]
-                dst.copy_(torch.from_numpy(np.array(value)).to(dst.dtype))
+                dst.copy_(_to_tensor(value).to(dst.dtype))
     return module
 
 
-def grads_from_module(module: Any, *, dtype: Any = None, sep: str = SEP) -> dict[str, Any]:
+def grads_from_module(module: Any, *, dtype: Any = None, sep: str = SEP) -> OrderedDict[str, Any]:
     """The ``.grad`` of every parameter of a torch module, as a nested dict.
 
     A parameter whose ``.grad`` is ``None`` gives a ``None`` leaf, which this package's
@@ -268,7 +317,7 @@ def grads_from_module(module: Any, *, dtype: Any = None, sep: str = SEP) -> dict
       sep: the name separator, default ``"."``.
 
     Returns:
-      Nested dicts shaped like ``tree_from_module(module)``.
+      Nested ``OrderedDict`` s with ``tree_from_module(module)``'s structure.
 
     Examples:
       >>> import torch

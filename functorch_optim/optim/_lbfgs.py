@@ -1,24 +1,37 @@
 """``torch.optim.LBFGS`` as an imperative class over the functional ``lbfgs``.
 
-Small and separate from ``Optimizer``: LBFGS has one parameter group, no gradients to
-hold (the closure supplies them) and one global state, which torch keeps under its
-first parameter.
+Small and separate from ``Optimizer``: LBFGS has one parameter group, gradients that
+only its closure fills and one global state, which torch keeps under its first
+parameter.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from functorch_optim._hyperparams import set_hparams, to_python
-from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
-from functorch_optim._tree import PyTree, check_params
-from functorch_optim.optim._optimizer import Optimizer, _same
+from functorch_optim._lbfgs import LBFGSState, _lbfgs_eager_step, lbfgs, lbfgs_step
+from functorch_optim._tree import PyTree, check_params, is_none
+from functorch_optim.interop.torch import _to_numpy
+from functorch_optim.optim._optimizer import (
+    _BACKWARD,
+    Optimizer,
+    _as_tuples,
+    _checked_grad,
+    _Layout,
+    _same,
+    _torch_available,
+    check_names,
+    closure_takes_params,
+    export_state_dict,
+    read_state_dict,
+)
 
 #: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
 _ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
@@ -34,19 +47,13 @@ def _run(tx, closure, params, state):
 _STEP = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2, 3))
 
 
-def _np(x: Any) -> Any:
-    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
-
-
 def _own(tree: PyTree) -> PyTree:
     # distinct buffers per leaf (init shares its zeros), as donation requires
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 def _scalar(x: Any) -> float:
-    return float(_np(x))
+    return float(_to_numpy(x))
 
 
 class LBFGS:
@@ -57,16 +64,25 @@ class LBFGS:
     arguments, names and defaults (``max_eval=None`` becomes ``max_iter * 5 // 4``, as
     torch stores it). ``params`` is one pytree of floating point arrays (copied);
     ``opt.params`` returns the current ones. Parameter order (torch's numbering, the
-    flat vectors' layout) is ``jax.tree.leaves`` order.
+    flat vectors' layout) is ``jax.tree.leaves`` order; parameter names
+    (``param_names``) and their check on loading are ``Optimizer``'s.
 
-    The one difference from torch is the closure. torch's closure re-evaluates the
-    model and calls ``loss.backward()``; here it must be a pure, jittable function of
-    the parameters, ``closure(params) -> scalar loss``, whose gradient comes from
-    ``jax.value_and_grad``. ``step(closure)`` runs one whole torch
-    ``step(closure)`` (up to ``max_iter`` iterations, the line search included) in one
-    jitted call, compiled once per closure object: pass the same function every step
-    (to feed new data, close over it in a ``jax.tree_util.Partial`` made once, or
-    rebuild the closure and accept a recompilation).
+    ``step(closure)`` takes either closure, told apart by its signature (see
+    ``functorch_optim.optim.closure_takes_params``):
+
+    * torch's ``closure() -> loss``, unchanged: ``opt.zero_grad(); loss =
+      opt.backward(loss_fn, x, y); return loss``. The step then runs torch's algorithm
+      with Python control flow, setting the parameters and calling the closure exactly
+      when and as often as torch does (same ``n_iter`` and ``func_evals``); the
+      bookkeeping in between is NumPy float64, the two-loop recursion jitted once.
+    * a pure, jittable ``closure(params) -> loss``, whose gradient comes from
+      ``jax.value_and_grad``: the whole ``step(closure)`` (up to ``max_iter``
+      iterations, the line search included) is one jitted call, compiled once per
+      closure object. Pass the same function every step (to feed new data, close over
+      it in a ``jax.tree_util.Partial`` made once, or rebuild the closure and accept a
+      recompilation).
+
+    Both give the same numbers (torch's, to float64 rounding).
 
     Attributes:
       param_groups: a list with torch's one group dict: ``"params"`` (the current
@@ -94,6 +110,11 @@ class LBFGS:
       [3.0, 3.0]
       >>> sorted(opt.state_dict()["state"][0])[:3]
       ['H_diag', 'al', 'd']
+      >>> def torch_closure():  # torch's form: zero_grad, backward, return the loss
+      ...     opt.zero_grad()
+      ...     return opt.backward(closure)
+      >>> float(opt.step(torch_closure))
+      0.0
 
     Note:
       The parameters and state are donated to the jitted step: arrays read from
@@ -132,18 +153,23 @@ class LBFGS:
             Optimizer._check_duplicates([g["params"] for g in params])
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
-            config.update({k: v for k, v in params[0].items() if k != "params"})
+            overrides = {k: v for k, v in params[0].items() if k != "params"}
             params = params[0]["params"]
         else:
             Optimizer._check_duplicates([params])
+            overrides = {}
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
         check_params(params)
+        (names,), _ = Optimizer._resolve_names([params], [overrides], [Optimizer._tree_names(params)])
+        config.update({k: v for k, v in overrides.items() if k != "param_names"})
         tx = lbfgs(**config)
         self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         self._tx = tx
         self._state = _own(tx.init(self._params))
-        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **config}]
+        self._grads: PyTree = jax.tree.map(lambda _: None, self._params)
+        named = {} if names is None else {"param_names": names}
+        self.param_groups: list[dict[str, Any]] = [{"params": self._params, **named, **config}]
         self._applied = dict(config)
 
     # -- parameters and state -------------------------------------------------------------
@@ -158,38 +184,104 @@ class LBFGS:
         """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history)."""
         return self._state
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Does nothing: the closure's gradient is computed fresh at every evaluation.
+    @property
+    def grad(self) -> PyTree:
+        """The gradients the closure's ``backward`` left, shaped like ``params``.
 
-        Kept so that torch code calling ``optimizer.zero_grad()`` ports unchanged.
+        ``None`` leaves after ``zero_grad()``. Writable like ``Optimizer.grad`` (a pytree
+        like ``params``, the parameters' dtypes): what torch's closure leaves in
+        ``p.grad`` (e.g. clipped with ``functorch_optim.nn.utils.clip_grad_norm_``) is
+        what the step uses.
+        """
+        return self._grads
+
+    @grad.setter
+    def grad(self, value: PyTree) -> None:
+        self._grads = _checked_grad(self._params, value)[0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's ``zero_grad``; torch's closure calls it first.
 
         Args:
-          set_to_none: accepted for torch compatibility; no effect.
+          set_to_none: default True: every gradient becomes ``None``; with False,
+            existing ones become zeros.
         """
-        del set_to_none
+        if set_to_none:
+            self._grads = jax.tree.map(lambda _: None, self._params)
+        else:
+            self._grads = jax.tree.map(
+                lambda g: None if g is None else jnp.zeros_like(g), self._grads, is_leaf=is_none
+            )
+
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
+        """``loss_fn(opt.params, *args, **kwargs)``, its gradient ADDED into ``opt.grad``.
+
+        ``Optimizer.backward``'s contract (one jitted ``value_and_grad`` per ``loss_fn``),
+        for the body of torch's closure.
+
+        Args:
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss`` (``-> (loss, aux)`` with
+            ``has_aux=True``).
+          *args: positional arguments for ``loss_fn``.
+          has_aux: ``loss_fn`` returns ``(loss, aux)``; not passed to ``loss_fn``.
+          **kwargs: keyword arguments for ``loss_fn``.
+
+        Returns:
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+        """
+        layout = _Layout("tree")
+        out, grads = _BACKWARD(loss_fn, layout, bool(has_aux), (self._params,), (self._grads,), args, kwargs)
+        self._grads = grads[0]
+        return out
 
     # -- the step -------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[PyTree], Any]) -> jax.Array:
-        """One ``torch.optim.LBFGS.step(closure)``: up to ``max_iter`` iterations, jitted.
+    def step(self, closure: Callable[..., Any]) -> jax.Array:
+        """One ``torch.optim.LBFGS.step(closure)``: up to ``max_iter`` iterations.
 
         Applies changed ``param_groups`` values first (torch's messages; on an error
         nothing changes).
 
         Args:
-          closure: a pure, jittable ``closure(params) -> scalar loss`` (not torch's
-            side-effecting ``() -> loss``: no ``backward`` — the gradient comes from
-            ``jax.value_and_grad``). Compiled once per function object.
+          closure: torch's ``closure() -> loss`` (it calls ``opt.zero_grad()`` and
+            ``opt.backward(...)``; called as torch calls it, the step around it eager),
+            or a pure, jittable ``closure(params) -> loss`` (the whole step one jitted
+            call, compiled once per function object). Told apart by the signature: a
+            closure callable without arguments is torch's.
 
         Returns:
           The loss at the parameters the step started from (torch's ``orig_loss``), a
           0-d array.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
+        pure = closure_takes_params(closure)
         self._sync_group()
-        params, state, loss = _STEP(self._tx, closure, self._params, self._state)
+        if pure:
+            params, state, loss = _STEP(self._tx, closure, self._params, self._state)
+        else:
+            params, state, loss = self._eager_step(closure)
         self._params, self._state = params, state
         self.param_groups[0]["params"] = params
         return loss
+
+    def _eager_step(self, closure: Callable[[], Any]) -> tuple[PyTree, LBFGSState, jax.Array]:
+        x0, unravel = ravel_pytree(self._params)
+
+        def evaluate(x: jax.Array) -> tuple[Any, jax.Array]:
+            self._params = unravel(x)
+            self.param_groups[0]["params"] = self._params
+            loss = closure()
+            grads = jax.tree.map(
+                lambda g, p: jnp.zeros_like(p) if g is None else g, self._grads, self._params, is_leaf=is_none
+            )
+            return loss, ravel_pytree(grads)[0].astype(x0.dtype)
+
+        x, state, loss = _lbfgs_eager_step(evaluate, x0, self._state)
+        return unravel(x), state, loss
 
     def _sync_group(self) -> None:
         group = self.param_groups[0]
@@ -246,7 +338,7 @@ class LBFGS:
         return entry
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's ``LBFGS`` layout, with NumPy arrays and Python numbers.
+        """The state in torch's ``LBFGS`` layout, with torch tensors and Python numbers.
 
         ``{"state": {0: {...}}, "param_groups": [{"lr": …, …, "params": [0, 1, …]}]}``:
         torch keeps LBFGS's global state under its first parameter: ``func_evals``,
@@ -254,7 +346,9 @@ class LBFGS:
         ``old_stps``, ``ro`` (lists, oldest first), ``H_diag`` (``1`` until a pair is
         stored, then a 0-d array), ``prev_flat_grad``, ``prev_loss`` (float); from the
         second iteration on ``al`` (torch's scratch list, recomputed). Empty before the
-        first step. Load it into ``torch.optim.LBFGS`` with ``state_dict_to_torch``.
+        first step. It loads into ``torch.optim.LBFGS`` as it is, and ``torch.load``
+        reads what ``torch.save`` writes of it with ``weights_only=True`` (without torch
+        installed: NumPy arrays, see ``Optimizer.state_dict``).
 
         Returns:
           The state dict; it can be pickled, and loaded by ``load_state_dict``.
@@ -262,7 +356,8 @@ class LBFGS:
         entry = self._torch_entry()
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(jax.tree.leaves(self._params))))
-        return {"state": {0: entry} if entry else {}, "param_groups": [group]}
+        sd = {"state": {0: entry} if entry else {}, "param_groups": [group]}
+        return export_state_dict(sd, tensors=_torch_available())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: this class's own or ``torch.optim.LBFGS``'s.
@@ -282,7 +377,7 @@ class LBFGS:
             parameters' or a history longer than ``history_size``. Nothing changes when
             it raises.
         """
-        groups = list(state_dict["param_groups"])
+        groups, entries = read_state_dict(state_dict)
         if len(groups) != 1:
             raise ValueError("loaded state dict has a different number of parameter groups")
         saved = groups[0]
@@ -291,15 +386,15 @@ class LBFGS:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
-        entries = dict(state_dict["state"])
         first = saved["params"][0]
+        check_names(0, saved, self.param_groups[0].get("param_names"))
         entry = entries.get(first, {})
         config = {k: self.param_groups[0][k] for k in _ARGS}
-        config.update({k: copy.deepcopy(saved[k]) for k in _ARGS if k in saved})
+        config.update({k: _as_tuples(saved[k], config[k]) for k in _ARGS if k in saved})
         config = {k: to_python(v) if k in _NUMERIC else v for k, v in config.items()}
         tx = lbfgs(**config)
         state = self._state_from_entry(tx, entry)
-        extra = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _ARGS and k != "params"}
+        extra = {k: v for k, v in saved.items() if k not in _ARGS and k != "params"}
         self._tx, self._state = tx, state
         self.param_groups[0] = {**self.param_groups[0], **extra, **config, "params": self._params}
         self._applied = dict(config)
@@ -316,7 +411,7 @@ class LBFGS:
             size = fresh.ro.shape[0]
 
             def vector(name: str, value: Any) -> jax.Array:
-                v = _np(value).reshape(-1)
+                v = _to_numpy(value).reshape(-1)
                 if v.shape != (n,):
                     raise ValueError(
                         f"loaded state dict: {name} has {v.shape[0]} entries, the parameters have {n}"

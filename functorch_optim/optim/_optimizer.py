@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,10 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState
+from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, schedule_key
 from functorch_optim._base import step as functional_step
+from functorch_optim._groups import path_name, select_groups
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
+from functorch_optim.interop.torch import _is_tensor, _to_numpy, _to_tensor
 
 #: torch's implementation switches: accepted everywhere, no effect here (XLA fuses).
 #: ``fused`` is not among them: SGD, Adam, AdamW and Adagrad honour it (a one-pass CPU kernel), and
@@ -77,28 +78,16 @@ class _Layout:
         )
 
 
-def path_name(path: tuple) -> str:
-    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``.
+def _leaf_names(paths: Sequence[tuple]) -> list[str] | None:
+    """torch's ``param_names`` for leaves at these key paths, or None when they have none.
 
-    Args:
-      path: a ``jax.tree_util`` key path (dict keys, sequence indices, attributes).
-
-    Returns:
-      The keys joined by ``"."``; the names ``group_by`` regexes are matched against.
+    A leaf is named when its path holds a dict key or an attribute (``"0.weight"``,
+    ``"enc.w"``); a bare list or tuple of arrays (torch's ``model.parameters()``) is not.
     """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
+    named = (jax.tree_util.DictKey, jax.tree_util.GetAttrKey)
+    if all(any(isinstance(k, named) for k in path) for path in paths):
+        return [path_name(path) for path in paths]
+    return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -150,32 +139,14 @@ def group_by(params: PyTree, *groups: Mapping[str, Any]) -> GroupedParams:
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("optimizer got an empty parameter list")
-    selectors = []
     for i, spec in enumerate(groups):
         if not isinstance(spec, Mapping) or "where" not in spec:
             raise ValueError(
                 f"group_by: group {i} must be a dict with a 'where' key (a regex or a predicate "
                 f"(path, leaf) -> bool), got {spec!r}"
             )
-        where = spec["where"]
-        if isinstance(where, str):
-            pattern = re.compile(where)
-            selectors.append(lambda path, leaf, p=pattern: p.search(path_name(path)) is not None)
-        elif callable(where):
-            selectors.append(where)
-        else:
-            raise ValueError(
-                f"group_by: group {i}'s 'where' must be a regex string or a callable, got {where!r}"
-            )
-    owner = []
-    for path, leaf in leaves:
-        chosen = [i for i, sel in enumerate(selectors) if sel(path, leaf)]
-        if len(chosen) > 1:
-            raise ValueError(
-                "some parameters appear in more than one parameter group: "
-                f"{path_name(path)!r} is selected by groups {chosen}"
-            )
-        owner.append(chosen[0] if chosen else len(groups))
+    labels = [f"group {i}" for i in range(len(groups))]
+    owner = select_groups(leaves, [spec["where"] for spec in groups], labels)
     overrides = [{k: v for k, v in spec.items() if k != "where"} for spec in groups]
     for i, spec in enumerate(groups):
         if i not in owner:
@@ -199,36 +170,37 @@ def _multi_step(txs, params, grads, states):
     return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
-def _backward(loss_fn, layout, params, grads, args, kwargs):
+def _backward(loss_fn, layout, has_aux, params, grads, args, kwargs):
     def loss_of(groups):
         return loss_fn(layout.to_user(groups), *args, **kwargs)
 
-    loss, new = jax.value_and_grad(loss_of)(params)
+    out, new = jax.value_and_grad(loss_of, has_aux=has_aux)(params)
     # torch's ``loss.backward()`` adds into ``.grad``: old + new
     acc = jax.tree.map(lambda old, g: g if old is None else old + g, grads, new, is_leaf=is_none)
-    return loss, acc
+    return out, acc
 
 
-#: Transformations by (algorithm, state structure): two with equal keys step identically
-#: (the step reads numeric hyperparameters from the state; everything else it uses is the
-#: algorithm and the static flags, which the state's structure carries), so optimizers
+#: Transformations by (algorithm, state structure, schedules): two with equal keys step
+#: identically (the step reads numeric hyperparameters, a schedule's learning rate and
+#: counters from the state; everything else it uses is the algorithm, the static flags,
+#: which the state's structure carries, and the schedules' ``step_key``), so optimizers
 #: of the same configuration share one compiled step, across instances too.
-_TX_CACHE: dict[tuple[Any, Any], Any] = {}
+_TX_CACHE: dict[tuple[Any, Any, Any], Any] = {}
 
 
 def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
     """The cached transformation equivalent to ``tx`` (``tx`` itself the first time)."""
-    if any(callable(v) for v in config.values()):  # a schedule: its function is in the closure
-        return tx
     algorithm = getattr(tx.update, ALGORITHM_ATTR)
     try:
-        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state)), tx)
-    except TypeError:  # unhashable static metadata: no sharing
+        keys = {k: schedule_key(v) for k, v in config.items()}
+        schedules = tuple(sorted((k, key) for k, key in keys.items() if key is not None))
+        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state), schedules), tx)
+    except TypeError:  # unhashable static metadata or schedule argument: no sharing
         return tx
 
 
 _STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
-_BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
+_BACKWARD = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,16 +208,147 @@ _BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
 # ---------------------------------------------------------------------------------------
 
 
-def _is_torch_tensor(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+def closure_takes_params(closure: Callable[..., Any]) -> bool:
+    """Whether a ``step(closure)`` closure is the pure ``closure(params)`` form, by its signature.
+
+    A closure that can be called without arguments is torch's ``closure() -> loss``
+    (it evaluates the model and calls ``backward`` itself); one with exactly one required
+    positional parameter is the pure ``closure(params) -> loss``.
+
+    Args:
+      closure: the closure given to ``step``.
+
+    Returns:
+      True for ``closure(params)``, False for ``closure()``.
+
+    Raises:
+      TypeError: for a closure with two or more required positional parameters, or one
+        whose signature cannot be read.
+    """
+    try:
+        sig = inspect.signature(closure)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step: cannot read the signature of closure {closure!r}; pass a function "
+            "closure() -> loss (torch's) or closure(params) -> loss"
+        ) from None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in sig.parameters.values() if p.kind in positional and p.default is p.empty]
+    if len(required) > 1:
+        raise TypeError(
+            "closure must take no argument (torch's closure() -> loss, which calls "
+            "opt.zero_grad() and opt.backward(...) itself) or one, the parameters "
+            f"(closure(params) -> loss); got one that requires {', '.join(required)}"
+        )
+    return len(required) == 1
 
 
-def _to_numpy(x: Any) -> Any:
-    if _is_torch_tensor(x):
-        return x.detach().cpu().numpy()
-    if isinstance(x, jax.Array | np.ndarray | np.generic):
-        return np.asarray(x)
-    return x
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or _is_tensor(x)
+
+
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _python(v: Any) -> Any:
+    """A param-group value as plain Python: 0-d arrays and NumPy scalars become numbers."""
+    if _is_array(v) and np.ndim(v) == 0:
+        return _to_numpy(v).item()
+    if isinstance(v, list | tuple):
+        return type(v)(_python(x) for x in v)
+    return copy.deepcopy(v)
+
+
+def export_state_dict(state_dict: Mapping[str, Any], tensors: bool) -> dict[str, Any]:
+    """A copy of a torch-layout state dict: arrays as torch tensors or NumPy, groups as Python.
+
+    Every array of ``state`` (inside lists too: LBFGS's history) becomes a torch tensor
+    (``tensors=True``) or a NumPy array, bfloat16 included; every 0-d array or NumPy
+    scalar in ``param_groups`` becomes a Python number. The result is what torch's
+    ``torch.load`` reads with its default ``weights_only=True``.
+    """
+
+    def array(v: Any) -> Any:
+        if _is_array(v):
+            return _to_tensor(v) if tensors else _to_numpy(v)
+        if isinstance(v, list | tuple):
+            return type(v)(array(x) for x in v)
+        return v
+
+    return {
+        "state": {k: {n: array(v) for n, v in e.items()} for k, e in state_dict["state"].items()},
+        "param_groups": [{k: _python(v) for k, v in g.items()} for g in state_dict["param_groups"]],
+    }
+
+
+def _ids(key: Any) -> Any:
+    """A saved parameter id as torch's int: orbax stores dict keys as strings, ints as arrays."""
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    if _is_array(key) and np.ndim(key) == 0:
+        return int(_to_numpy(key))
+    return key
+
+
+def read_state_dict(state_dict: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
+    """The groups and per-id state of a torch-layout state dict, as torch writes them.
+
+    Undoes what a round trip through orbax (or another pytree store) does to torch's
+    layout: string ids become ints again, 0-d arrays in the groups Python numbers; lists
+    stay lists (the caller turns them into tuples where its hyperparameters are tuples).
+    """
+    groups = []
+    for saved in state_dict["param_groups"]:
+        group = {k: _python(v) for k, v in saved.items() if k != "params"}
+        group["params"] = [_ids(i) for i in saved["params"]]
+        groups.append(group)
+    return groups, {_ids(k): v for k, v in dict(state_dict["state"]).items()}
+
+
+def check_names(g: int, saved: Mapping[str, Any], ours: Sequence[str] | None) -> None:
+    """Refuse a saved group whose ``param_names`` differ from this group's, position by position.
+
+    Args:
+      g: the group's index.
+      saved: the saved group (torch's layout: ``params`` ids, maybe ``param_names``).
+      ours: this optimizer's names for the group's parameters, or None without names.
+
+    Raises:
+      ValueError: naming the first id whose saved name differs from ours.
+    """
+    theirs = saved.get("param_names")
+    if theirs is None:
+        return
+    if not isinstance(theirs, list | tuple) or len(theirs) != len(saved["params"]):
+        raise ValueError(
+            f"loaded state dict: param_names of parameter group {g} must be a list of "
+            f"{len(saved['params'])} names, one per id, got {theirs!r}"
+        )
+    if ours is None:
+        return
+    for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        if a != b:
+            order = " (the same names in another order)" if sorted(theirs) == sorted(ours) else ""
+            raise ValueError(
+                f"loaded state dict: parameter {saved['params'][j]!r} of group {g} is {a!r}, but "
+                f"this optimizer's parameter at that position is {b!r}{order}; ids match by "
+                "position, so its state would load into another parameter. Give the optimizer "
+                "its parameters in the saved order (interop.torch.tree_from_module(model) "
+                "follows model.named_parameters()), or remove 'param_names' from the dict's "
+                "groups to load by position regardless"
+            )
+
+
+def _as_tuples(value: Any, like: Any) -> Any:
+    """``value`` with lists turned into tuples where ``like`` (the current value) has tuples."""
+    if isinstance(like, tuple) and isinstance(value, list | tuple) and len(value) == len(like):
+        return tuple(_as_tuples(v, w) for v, w in zip(value, like, strict=True))
+    return value
 
 
 def _same(new: Any, old: Any) -> bool:
@@ -262,6 +365,15 @@ def _same(new: Any, old: Any) -> bool:
 
 def _copy_leaf(x: Any) -> jax.Array:
     return jnp.array(x, copy=True)
+
+
+def _checked_grad(params: PyTree, value: PyTree) -> tuple[PyTree, bool]:
+    """An assigned ``opt.grad``, checked against the parameters and copied; and whether all are None."""
+    # structure, shapes and dtypes (torch: assigned grad has data of a different type)
+    check_like_params(params, value, "grad")
+    g_leaves = jax.tree.structure(params).flatten_up_to(value)
+    copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+    return copied, all(g is None for g in g_leaves)
 
 
 def _factory_parameters(factory: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -302,7 +414,18 @@ class Optimizer:
 
     Parameter order (the integer ids of ``state_dict()``, torch's numbering): group by
     group in ``param_groups`` order; within a group, ``jax.tree.leaves`` order of its
-    parameters. For one pytree, id ``i`` is ``jax.tree.leaves(params)[i]``.
+    parameters. For one pytree, id ``i`` is ``jax.tree.leaves(params)[i]``. Build the
+    parameters with ``interop.torch.tree_from_module(model)`` (it flattens in
+    ``model.named_parameters()`` order) and the ids are those of
+    ``torch.optim.X(model.parameters())``; a plain ``dict`` flattens in sorted key order
+    (``"0.bias"`` before ``"0.weight"``), which torch's numbering is not.
+
+    Parameter names (torch's ``param_names`` entry of a group, which torch writes when
+    built from ``model.named_parameters()``): a group whose parameters all sit under
+    dict keys or attributes is named by their dotted paths (``"0.weight"``; under
+    ``group_by``, paths in the whole tree); a group dict may give ``"param_names"``
+    itself. A bare list of arrays has none, and names are kept only while every group
+    has them. ``load_state_dict`` compares the names where both sides have them.
 
     Attributes:
       param_groups: a list of dicts, one per group: ``"params"`` (that group's current
@@ -345,15 +468,16 @@ class Optimizer:
             raise TypeError("Optimizer is abstract; make a class with make_optimizer_class(factory)")
         self.defaults = dict(defaults)
         self._factory_params = tuple(p.name for p in _factory_parameters(factory))
-        layout, trees, overrides = self._split(params)
+        layout, trees, overrides, derived = self._split(params)
         for i, over in enumerate(overrides):
             self._check_keys(i, over)
         for tree in trees:
             check_params(tree)
         self._check_duplicates(trees)
+        names, self._explicit_names = self._resolve_names(trees, overrides, derived)
         txs, groups, algorithms = [], [], []
         for over in overrides:
-            config = {**self.defaults, **over}
+            config = {**self.defaults, **{k: v for k, v in over.items() if k != "param_names"}}
             tx = factory(**{k: config[k] for k in self._factory_params})
             algorithms.append(_algorithm_of(tx, factory))
             txs.append(tx)
@@ -370,7 +494,8 @@ class Optimizer:
         self._grads_all_none = True
         self._sizes = [len(jax.tree.leaves(tree)) for tree in self._params]
         self.param_groups: list[dict[str, Any]] = [
-            {"params": tree, **config} for tree, config in zip(self._params, groups, strict=True)
+            {"params": tree, **({} if n is None else {"param_names": n}), **config}
+            for tree, n, config in zip(self._params, names, groups, strict=True)
         ]
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
 
@@ -415,14 +540,30 @@ class Optimizer:
         self._check_keys(len(self.param_groups), overrides)
         tree = param_group["params"]
         check_params(tree)
+        named = "param_names" in self.param_groups[0]
+        names, explicit = self._resolve_names(
+            [tree], [overrides], [self._tree_names(tree) if named or "param_names" in overrides else None]
+        )
+        if (names[0] is not None) != named:
+            if explicit or self._explicit_names:
+                kind = "with" if names[0] is not None else "without"
+                raise ValueError(
+                    "all optimizer param groups should be with/without names. "
+                    f"cannot add param group {kind} names to the optimizer"
+                )
+            names = [None]  # names derived from paths are kept only while every group has them
         held = {id(x) for t in self._params for x in jax.tree.leaves(t)}
         self._check_duplicates([tree])
         if any(id(x) in held for x in jax.tree.leaves(tree)):
             raise ValueError("some parameters appear in more than one parameter group")
         factory = type(self).factory
-        config = {**self.defaults, **overrides}
+        config = {**self.defaults, **{k: v for k, v in overrides.items() if k != "param_names"}}
         tx = factory(**{k: config[k] for k in self._factory_params})
         algorithm = _algorithm_of(tx, factory)
+        if named and names[0] is None:
+            for group in self.param_groups:
+                del group["param_names"]
+        self._explicit_names = self._explicit_names or explicit
         params = jax.tree.map(_copy_leaf, tree)
         state = tx.init(params)
         self._layout = _Layout("groups", len(self.param_groups) + 1)
@@ -434,16 +575,25 @@ class Optimizer:
         self._none_grads.append(jax.tree.map(lambda _: None, params))
         self._grads.append(self._none_grads[-1])
         self._sizes.append(len(jax.tree.leaves(params)))
-        self.param_groups.append({"params": params, **config})
+        self.param_groups.append(
+            {"params": params, **({} if names[0] is None else {"param_names": names[0]}), **config}
+        )
         self._applied.append({k: config[k] for k in self._factory_params})
 
     @staticmethod
-    def _split(params: Any) -> tuple[_Layout, list[PyTree], list[dict[str, Any]]]:
+    def _split(params: Any) -> tuple[_Layout, list[PyTree], list[dict[str, Any]], list[list[str] | None]]:
+        """The layout, the groups' trees, their overrides and their leaves' names (or None)."""
         if isinstance(params, GroupedParams):
             n = len(params.overrides)
             treedef = jax.tree.structure(params.tree)
             layout = _Layout("partition", n, treedef, params.owner)
-            return layout, list(layout.to_groups(params.tree)), [dict(o) for o in params.overrides]
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params.tree)[0]]
+            names = _leaf_names(paths)
+            per_group = [
+                None if names is None else [m for m, o in zip(names, params.owner, strict=True) if o == g]
+                for g in range(n)
+            ]
+            return layout, list(layout.to_groups(params.tree)), [dict(o) for o in params.overrides], per_group
         is_group_list = (
             isinstance(params, list | tuple)
             and len(params) > 0
@@ -454,10 +604,51 @@ class Optimizer:
             overrides = [{k: v for k, v in g.items() if k != "params"} for g in params]
             if not any(jax.tree.leaves(t) for t in trees):
                 raise ValueError("optimizer got an empty parameter list")
-            return _Layout("groups", len(trees)), trees, overrides
+            names = [Optimizer._tree_names(t) for t in trees]
+            return _Layout("groups", len(trees)), trees, overrides, names
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
-        return _Layout("tree"), [params], [{}]
+        return _Layout("tree"), [params], [{}], [Optimizer._tree_names(params)]
+
+    @staticmethod
+    def _tree_names(tree: PyTree) -> list[str] | None:
+        return _leaf_names([p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]])
+
+    @staticmethod
+    def _resolve_names(
+        trees: Sequence[PyTree], overrides: Sequence[Mapping[str, Any]], derived: Sequence[list[str] | None]
+    ) -> tuple[list[list[str] | None], bool]:
+        """Every group's ``param_names``, for all groups or none, and whether the user gave them.
+
+        A group's ``"param_names"`` entry wins over the names of its tree's paths. Derived
+        names are dropped unless every group has names; names the user gave must be given
+        for every group (torch's rule for groups with and without names).
+        """
+        names: list[list[str] | None] = []
+        for g, (tree, over, own) in enumerate(zip(trees, overrides, derived, strict=True)):
+            if "param_names" not in over:
+                names.append(own)
+                continue
+            given, n = over["param_names"], len(jax.tree.leaves(tree))
+            if not isinstance(given, list | tuple) or not all(isinstance(x, str) for x in given):
+                raise ValueError(
+                    f"param_names of parameter group {g} must be a list of strings, got {given!r}"
+                )
+            if len(given) != n:
+                raise ValueError(
+                    f"param_names of parameter group {g} has {len(given)} names for {n} parameters"
+                )
+            names.append(list(given))
+        explicit = any("param_names" in over for over in overrides)
+        if all(x is not None for x in names):
+            return names, explicit
+        if explicit:
+            kind = "without" if names[0] is not None else "with"
+            raise ValueError(
+                "all optimizer param groups should be with/without names. "
+                f"cannot add param group {kind} names to the optimizer"
+            )
+        return [None] * len(names), False
 
     @staticmethod
     def _check_duplicates(trees: Sequence[PyTree]) -> None:
@@ -501,11 +692,9 @@ class Optimizer:
 
     @grad.setter
     def grad(self, value: PyTree) -> None:
-        check_like_params(self.params, value, "grad")
-        g_leaves = jax.tree.structure(self.params).flatten_up_to(value)
-        copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+        copied, all_none = _checked_grad(self.params, value)
         self._grads = list(self._layout.to_groups(copied))
-        self._grads_all_none = all(g is None for g in g_leaves)
+        self._grads_all_none = all_none
 
     @property
     def state(self) -> TorchState | tuple[TorchState, ...]:
@@ -566,7 +755,9 @@ class Optimizer:
                 for t in self._grads
             ]
 
-    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """Compute ``loss_fn(opt.params, *args, **kwargs)`` and ADD its gradient into ``opt.grad``.
 
         As torch's ``loss.backward()`` accumulates into ``.grad``: call ``zero_grad()``
@@ -575,20 +766,37 @@ class Optimizer:
         every step; ``args``/``kwargs`` are traced arrays).
 
         Args:
-          loss_fn: ``(params, *args, **kwargs) -> scalar loss``; ``params`` comes in the
-            structure ``opt.params`` has.
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss``, or ``-> (loss, aux)``
+            with ``has_aux=True``; ``params`` comes in the structure ``opt.params`` has.
           *args: positional arguments for ``loss_fn`` (a batch, targets, …).
+          has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays
+            (an RNN's hidden state, a discriminator's outputs) that is not
+            differentiated (``jax.value_and_grad``'s ``has_aux``). Not passed to
+            ``loss_fn``.
           **kwargs: keyword arguments for ``loss_fn``.
 
         Returns:
-          The loss, a 0-d array.
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from functorch_optim.optim import SGD
+          >>> opt = SGD({"w": jnp.array([1.0, 2.0])}, lr=0.1)
+          >>> def loss_fn(params, x):
+          ...     out = params["w"] * x
+          ...     return jnp.sum(out**2), out
+          >>> loss, out = opt.backward(loss_fn, jnp.array([1.0, 1.0]), has_aux=True)
+          >>> float(loss), out.tolist(), opt.grad["w"].tolist()
+          (5.0, [1.0, 2.0], [2.0, 4.0])
         """
-        loss, grads = _BACKWARD(loss_fn, self._layout, tuple(self._params), tuple(self._grads), args, kwargs)
+        out, grads = _BACKWARD(
+            loss_fn, self._layout, bool(has_aux), tuple(self._params), tuple(self._grads), args, kwargs
+        )
         self._grads = list(grads)
         self._grads_all_none = False
-        return loss
+        return out
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[..., Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
         First applies changed ``param_groups`` values (validated with torch's messages;
@@ -596,15 +804,27 @@ class Optimizer:
         whose gradient is ``None`` is left untouched, state included.
 
         Args:
-          closure: optional ``() -> loss`` that re-evaluates the model (usually
-            ``zero_grad()`` then ``backward(...)``), called first, as in torch.
+          closure: optional; told apart by its signature (see ``closure_takes_params``):
+
+            * torch's ``closure() -> loss``, which re-evaluates the model itself
+              (``opt.zero_grad(); loss = opt.backward(loss_fn, x, y); return loss``),
+              called first, as in torch;
+            * a pure ``closure(params) -> loss``: the gradients become its gradient at
+              the current parameters (``zero_grad()`` then ``backward(closure)``).
 
         Returns:
           The closure's loss, or ``None`` without a closure.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
         loss = None
         if closure is not None:
-            loss = closure()
+            if closure_takes_params(closure):
+                self.zero_grad()
+                loss = self.backward(closure)
+            else:
+                loss = closure()
         self._sync_groups()
         if self._grads_all_none:
             return loss
@@ -652,14 +872,22 @@ class Optimizer:
     # -- torch's state_dict ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's layout, with NumPy arrays (host copies).
+        """The state in torch's layout, with torch tensors (host copies): torch's own dict.
 
-        ``{"state": {id: {"momentum_buffer": array, …}}, "param_groups": [{"lr": …, …,
+        ``{"state": {id: {"momentum_buffer": tensor, …}}, "param_groups": [{"lr": …, …,
         "params": [ids]}]}``, ids as in the class docstring. A parameter that never
         received a gradient has no entry (except for algorithms torch initializes
-        eagerly, Adagrad). ``step`` appears where torch keeps it: a 0-d float32 array
-        (torch's default scalar dtype) for Adam-like algorithms; SGD keeps none. Load
-        it into a torch optimizer with ``state_dict_to_torch``.
+        eagerly, Adagrad). ``step`` appears where torch keeps it: a 0-d float32 tensor
+        (torch's default scalar dtype) for Adam-like algorithms; SGD keeps none. The
+        groups hold Python values only, like torch's.
+
+        It is what ``torch.optim.<Same>(...).state_dict()`` would be: it loads into the
+        torch optimizer as it is (``torch_opt.load_state_dict(opt.state_dict())``), and
+        ``torch.save`` writes it so that ``torch.load(path)`` reads it back with torch's
+        default ``weights_only=True``. Without torch installed the arrays are NumPy
+        arrays (``state_dict_to_torch`` converts them later). For orbax, store
+        ``state_dict_to_numpy(opt.state_dict())``; ``load_state_dict`` reads back the
+        string ids and lists orbax returns.
 
         Returns:
           The state dict; it can be pickled, and loaded by ``load_state_dict``.
@@ -685,23 +913,27 @@ class Optimizer:
                     entry["step"] = s
                 for n in names:
                     if host[n][j] is not None:
-                        entry[n] = np.array(host[n][j], copy=True)
+                        entry[n] = host[n][j]
                 if entry:
                     state[start + j] = entry
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(steps)))
             groups.append(packed)
             start += len(steps)
-        return {"state": state, "param_groups": groups}
+        return export_state_dict({"state": state, "param_groups": groups}, tensors=_torch_available())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: this class's own, or a real torch one.
 
-        Accepts ``state_dict()``'s output and ``torch.optim.<Same>(...).state_dict()``
-        holding torch tensors. Like torch, saved ids are matched to this optimizer's
-        parameters by position, group by group; the saved groups' hyperparameters
-        replace the current ones (extra keys such as ``initial_lr`` are kept). A
-        parameter without an entry gets fresh state. ``count`` becomes the largest
+        Accepts ``state_dict()``'s output, ``torch.optim.<Same>(...).state_dict()``
+        holding torch tensors, and either after ``torch.save``/``torch.load``, pickle or
+        orbax (string ids, lists for tuples, NumPy arrays). Like torch, saved ids are
+        matched to this optimizer's parameters by position, group by group; where the
+        saved group and this one both have ``param_names``, they must agree position by
+        position (a permuted dict is refused instead of loading each state into another
+        parameter); saved names replace missing ones, as in torch. The saved groups'
+        hyperparameters replace the current ones (extra keys such as ``initial_lr`` are
+        kept). A parameter without an entry gets fresh state. ``count`` becomes the largest
         per-parameter ``step``; for SGD, whose torch state has no ``step``, a parameter
         with a momentum buffer resumes as already stepped (all SGD's rule reads).
 
@@ -711,13 +943,13 @@ class Optimizer:
         Raises:
           ValueError: ``loaded state dict has a different number of parameter groups``,
             ``loaded state dict contains a parameter group that doesn't match the size
-            of optimizer's group`` (torch's texts); state for an id no group lists; a
+            of optimizer's group`` (torch's texts); a saved parameter name that differs
+            from this optimizer's at its position (naming both); state for an id no group lists; a
             buffer this optimizer does not keep; a buffer whose shape differs from the
             parameter's; torch's message for an invalid hyperparameter. Raised before
             anything changes: the optimizer is untouched after a failed load.
         """
-        saved_groups = list(state_dict["param_groups"])
-        saved_state = dict(state_dict["state"])
+        saved_groups, saved_state = read_state_dict(state_dict)
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(s["params"]) != n for s, n in zip(saved_groups, self._sizes, strict=True)):
@@ -725,6 +957,8 @@ class Optimizer:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
+        for g, saved in enumerate(saved_groups):
+            check_names(g, saved, self.param_groups[g].get("param_names"))
         id_map = {sid: (g, j) for g, s in enumerate(saved_groups) for j, sid in enumerate(s["params"])}
         entries: list[dict[int, tuple[Any, Mapping[str, Any]]]] = [{} for _ in saved_groups]
         for key, value in saved_state.items():
@@ -738,7 +972,8 @@ class Optimizer:
         new = []
         for g, group in enumerate(self.param_groups):
             config = {k: v for k, v in group.items() if k != "params"}
-            config.update({k: copy.deepcopy(v) for k, v in saved_groups[g].items() if k != "params"})
+            saved = {k: v for k, v in saved_groups[g].items() if k != "params"}
+            config.update({k: _as_tuples(v, config.get(k)) for k, v in saved.items()})
             candidate = factory(**{k: config[k] for k in self._factory_params})
             fresh = candidate.init(self._params[g])
             same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
@@ -760,7 +995,7 @@ class Optimizer:
         for j, (key, entry) in entries.items():
             loaded = False
             for name, raw in entry.items():
-                value = _to_numpy(raw)
+                value = raw if raw is None else _to_numpy(raw)
                 if name == "step":
                     steps[j] = round(float(np.asarray(value)))
                     continue
@@ -817,11 +1052,12 @@ class Optimizer:
 
 
 def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a state dict with every array as a torch tensor, for ``torch.optim``.
+    """A copy of a torch-layout state dict with every array as a torch tensor.
 
-    ``torch.optim.Optimizer.load_state_dict`` needs tensors; this converts the NumPy
-    (or JAX) arrays of ``Optimizer.state_dict()`` — ``step`` stays a 0-d float32
-    tensor, as torch keeps it — and 0-d arrays in ``param_groups`` to Python numbers.
+    ``Optimizer.state_dict()`` already holds torch tensors where torch is installed, so
+    this is needed only for a dict written without torch, or read back from orbax
+    (NumPy arrays, string ids): arrays (NumPy, JAX, torch; inside lists too) become
+    tensors, 0-d arrays in ``param_groups`` Python numbers, string ids ints again.
 
     Args:
       state_dict: a state dict in torch's layout.
@@ -829,26 +1065,29 @@ def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
       A new state dict, ready for ``torch_optimizer.load_state_dict``.
     """
-    import torch
+    groups, state = read_state_dict(state_dict)
+    return export_state_dict({"state": state, "param_groups": groups}, tensors=True)
 
-    def tensor(v: Any) -> Any:
-        if isinstance(v, np.ndarray | np.generic | jax.Array):
-            return torch.from_numpy(np.array(v, copy=True))
-        if isinstance(v, list | tuple):  # LBFGS's history lists
-            return type(v)(tensor(x) for x in v)
-        return v
 
-    def number(v: Any) -> Any:
-        if isinstance(v, np.ndarray | np.generic | jax.Array) and np.ndim(v) == 0:
-            return np.asarray(v).item()
-        if isinstance(v, tuple):
-            return tuple(number(x) for x in v)
-        return copy.deepcopy(v)
+def state_dict_to_numpy(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a torch-layout state dict with every array as a NumPy array, for orbax.
 
-    return {
-        "state": {k: {n: tensor(v) for n, v in e.items()} for k, e in state_dict["state"].items()},
-        "param_groups": [{k: number(v) for k, v in g.items()} for g in state_dict["param_groups"]],
-    }
+    orbax's ``PyTreeCheckpointer`` stores NumPy arrays, numbers, strings (``param_names``)
+    and ``None``, but not torch tensors; this converts the tensors (bfloat16 included)
+    and leaves everything else as it is. ``load_state_dict`` takes what orbax restores
+    (string ids, lists for tuples), and ``state_dict_to_torch`` makes a torch dict of it::
+
+        ocp.PyTreeCheckpointer().save(path, state_dict_to_numpy(opt.state_dict()))
+        opt.load_state_dict(ocp.PyTreeCheckpointer().restore(path))
+
+    Args:
+      state_dict: a state dict in torch's layout.
+
+    Returns:
+      A new state dict with NumPy arrays and Python groups.
+    """
+    groups, state = read_state_dict(state_dict)
+    return export_state_dict({"state": state, "param_groups": groups}, tensors=False)
 
 
 def make_optimizer_class(
