@@ -359,16 +359,22 @@ def _jax_meta_grads_all(
 ) -> list:
     """``jax.grad`` through ``steps`` of our steps for several configurations, one compilation.
 
-    ``tensor_lr``: built with ``lr`` as an array, as torch gets a tensor ``lr`` (its
-    differentiable path then computes the step's scalars in lr's float64)."""
+    ``tensor_lr``: built with the traced ``lr`` (a JAX array, an input of the
+    transformation, as ``optax.inject_hyperparams`` passes it), as torch gets a tensor
+    ``lr`` (its differentiable path then computes the step's scalars in lr's float64);
+    else built with a number and given ``lr`` by ``set_hparams``."""
     p0_np, a, b, w = _meta_problem(steps)
     a_stack = [jnp.stack([jnp.asarray(a[t][i]) for t in range(steps)]) for i in range(len(p0_np))]
     b_stack = [jnp.stack([jnp.asarray(b[t][i]) for t in range(steps)]) for i in range(len(p0_np))]
-    lr0 = np.asarray(lr) if tensor_lr else lr
-    txs = [get_spec(name).factory(differentiable=True, lr=lr0, **dict(c)) for c in configs]
+    factory = get_spec(name).factory
 
-    def loss(p0, lr, tx):
-        state = fo.set_hparams(tx.init(p0), lr=lr)
+    def loss(p0, lr, config):
+        if tensor_lr:
+            tx = factory(differentiable=True, lr=lr, **dict(config))
+            state = tx.init(p0)
+        else:
+            tx = factory(differentiable=True, **dict(config))
+            state = fo.set_hparams(tx.init(p0), lr=lr)
 
         def body(carry, xs):
             p, s = carry
@@ -380,7 +386,7 @@ def _jax_meta_grads_all(
         return sum(jnp.sum(wi * x) + jnp.sum(x**2) for wi, x in zip(w, p, strict=True))
 
     def all_grads(p0, lr):
-        return [jax.grad(loss, argnums=(0, 1))(p0, lr, tx) for tx in txs]
+        return [jax.grad(loss, argnums=(0, 1))(p0, lr, c) for c in configs]
 
     args = ([jnp.asarray(x) for x in p0_np], jnp.float64(lr))
     out = fast_jit(all_grads, *args)(*args)
