@@ -12,7 +12,7 @@ from functorch_optim._base import STEP_ATTR, WINDOW_ATTR
 from functorch_optim._base import step as _step
 from functorch_optim._fused import Window, window_ready
 from functorch_optim._sharding import sharded_init
-from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
+from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
 
 class GradAccumulateState(NamedTuple):
@@ -291,7 +291,7 @@ def grad_accumulate(
     def call_mask(params, extra_args):
         # a grad_mask leaf that is off: that parameter has no gradient in this call
         mask = extra_args.get("grad_mask")
-        return None if mask is None else jax.tree.structure(params).flatten_up_to(mask)
+        return None if mask is None else grad_mask_leaves(params, mask)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._hyperparams import HParams, Validator, as_hparam, has_tracer, to_python
+from functorch_optim._checks import squeeze_lr
+from functorch_optim._hyperparams import HParams, Validator, as_hparam, check_number, has_tracer, to_python
 from functorch_optim._sharding import sharded_init
-from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
+from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
 StepFn = Callable[..., tuple[PyTree, PyTree]]
 
@@ -85,7 +86,8 @@ class Algorithm:
         new_buffers)``, torch's loop body for one parameter. ``step`` is the int32 count
         of gradients this parameter has received including this one (1 on its first
         step); ``hparams`` are arrays in the hyperparameter dtype (cast them to the
-        parameter's compute dtype where torch would).
+        parameter's compute dtype where torch would). ``step`` counts only the
+        steps that ``advances`` allows, where it is set.
       torch_step: how torch's per-parameter state holds ``step`` (used by the facade's
         ``state_dict``): ``"tensor"`` (default), a 0-d float tensor of torch's default
         dtype, as Adam, AdamW, RMSprop, Adagrad, … keep it; ``"int"``, a Python int
@@ -115,6 +117,12 @@ class Algorithm:
         ``hparams``, instead of each parameter repeating the same scalar ops (a step over
         1000 leaves would trace, lower and optimize them 1000 times). Default None:
         ``step_leaf`` gets the hyperparameters themselves.
+      advances: optional ``(hparams, static) -> bool scalar``, from the state's
+        hyperparameters: whether this step advances the per-parameter ``step``
+        counters (the ``one`` that ``step_leaf``'s ``step`` and ``fused_step``'s
+        counters advance by is 0 where not); default None, always (``step`` counts
+        gradients). SGD with a buffer counts only the steps taken with momentum != 0
+        (torch's buffer exists after the first of them).
     """
 
     name: str
@@ -126,6 +134,7 @@ class Algorithm:
     prepare: Callable[[Mapping[str, Any], Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
     fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
     fused_window: Callable[..., list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]] | None = None
+    advances: Callable[[Mapping[str, Any], Mapping[str, Any]], Any] | None = None
 
 
 def make_optimizer(
@@ -153,6 +162,9 @@ def make_optimizer(
       ValueError: torch's message for an invalid hyperparameter, raised here, at
         construction, before any state exists.
     """
+    if "lr" in hparams:
+        # torch's first check in every constructor: "Tensor lr must be 1-element"
+        hparams = {**hparams, "lr": squeeze_lr(hparams["lr"])}
     schedules = {k: _driver(v) for k, v in hparams.items() if _is_scheduled(v)}
     injected = {k: v for k, v in hparams.items() if isinstance(v, jax.Array)}
     first, schedule_state = dict(hparams), {}
@@ -160,6 +172,8 @@ def make_optimizer(
         first[k], schedule_state[k] = driver.init_schedule()
     if not has_tracer(first):
         algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
+    for k, v in first.items():  # what no check of torch compared (a string dampening)
+        check_number(algorithm.name, k, v)
     for k, driver in schedules.items():
         check = getattr(driver, "check_hparams", None)
         if check is not None:
@@ -197,7 +211,7 @@ def make_optimizer(
         treedef = jax.tree.structure(params)
         p_leaves = treedef.flatten_up_to(params)
         g_leaves = treedef.flatten_up_to(grads)
-        m_leaves = treedef.flatten_up_to(grad_mask) if grad_mask is not None else [None] * len(p_leaves)
+        m_leaves = grad_mask_leaves(params, grad_mask) if grad_mask is not None else [None] * len(p_leaves)
         names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
@@ -220,6 +234,13 @@ def make_optimizer(
             return cache[dtype]
 
         return hparams_of
+
+    def counter_one(state, hp):
+        # what the counters advance by: 1, or 0 on a step ``algorithm.advances`` excludes
+        one = _runtime_one(state.count)
+        if algorithm.advances is None:
+            return one
+        return jnp.where(algorithm.advances(hp, static), one, jnp.zeros_like(one))
 
     def current(state):
         # the values this step uses: the state's, with the injected ones replaced
@@ -264,7 +285,7 @@ def make_optimizer(
         hparams = current(state)
         hp = dict(hparams)
         hparams_of = prepared(hp)
-        one = _runtime_one(state.count)
+        one = counter_one(state, hp)
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
         if algorithm.fused_step is not None:
             outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
@@ -286,7 +307,7 @@ def make_optimizer(
         hparams = current(state)
         hp = dict(hparams)
         window = window._replace(accs=treedef.flatten_up_to(window.accs))
-        outs = algorithm.fused_window(leaves, window, prepared(hp), static, _runtime_one(state.count))
+        outs = algorithm.fused_window(leaves, window, prepared(hp), static, counter_one(state, hp))
         hparams, count = advance(state, hparams, window.stepping)
         new_params, new_state = rebuild(
             treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count

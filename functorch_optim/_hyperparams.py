@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from functorch_optim._tree import PyTree, keystr
@@ -38,14 +39,46 @@ def as_hparam(value: Any, dtype: Any | None = None) -> Any:
 
 
 def to_python(value: Any) -> Any:
-    """Concrete hyperparameter value(s) as Python floats; tracers are returned as they are."""
+    """Concrete hyperparameter value(s) as Python floats; tracers are returned as they are.
+
+    A value that is not a real number (a string, ``None``, a complex number) is returned
+    as it is, so that torch's checks (``if not 0.0 <= lr``) raise torch's ``TypeError``
+    on it; ``check_number`` rejects what no check compares."""
     if isinstance(value, tuple | list):
         return tuple(to_python(v) for v in value)
     if isinstance(value, jax.core.Tracer):
         return value
-    if isinstance(value, bool | int | float):
+    if isinstance(value, bool | int | float | str | complex) or value is None:
+        return value
+    if jnp.iscomplexobj(value) or np.size(value) != 1:
         return value
     return float(value)
+
+
+def check_number(where: str, name: str, value: Any) -> None:
+    """Reject a hyperparameter value that is not a real scalar, naming it.
+
+    Raises:
+      TypeError: ``{where}: {name} must be a real number or a 0-d real array, got ...``
+        for a string, ``None``, a complex number or a non-numeric array.
+      ValueError: ``{where}: {name} must be a scalar, got an array of shape ...``.
+    """
+    if isinstance(value, tuple | list):
+        for i, v in enumerate(value):
+            check_number(where, f"{name}[{i}]", v)
+        return
+    if isinstance(value, jax.core.Tracer | bool | int | float):
+        return
+    dtype = getattr(value, "dtype", None)
+    real = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+        or jnp.issubdtype(dtype, jnp.bool_)
+    )
+    if not real:
+        raise TypeError(f"{where}: {name} must be a real number or a 0-d real array, got {value!r}")
+    if np.size(value) != 1:
+        raise ValueError(f"{where}: {name} must be a scalar, got an array of shape {np.shape(value)}")
 
 
 def has_tracer(value: Any) -> bool:
@@ -286,6 +319,9 @@ def set_hparams(state: PyTree, group: str | None = None, **values: Any) -> PyTre
             f"known: {', '.join(known)}"
         )
     current = dict(node) if isinstance(node, HParams) else dict(node.hyperparams)
+    for name, value in values.items():
+        if not isinstance(value, str):  # a string: torch's own check raises (below)
+            check_number("set_hparams", name, value)
     if isinstance(node, HParams):
         driven = sorted(set(values) & set(node.scheduled))
         if driven:
@@ -295,6 +331,9 @@ def set_hparams(state: PyTree, group: str | None = None, **values: Any) -> PyTre
                 "optax.inject_hyperparams passes it), and cannot be set"
             )
         node.validate(values)
+
+    for name, value in values.items():
+        check_number("set_hparams", name, value)  # a string no check of torch compared
 
     def convert(name: str, new: Any) -> Any:
         old = current[name]

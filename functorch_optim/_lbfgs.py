@@ -20,6 +20,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from functorch_optim._base import STEP_ATTR
+from functorch_optim._checks import squeeze_lr
 from functorch_optim._hyperparams import HParams, hparam_dtype, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
@@ -81,7 +82,7 @@ class LBFGSState(NamedTuple):
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr = hp["lr"]
-    if not lr >= 0.0:
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid learning rate: {lr}")
     history_size = static["history_size"]
     if not isinstance(history_size, int) or history_size < 1:
@@ -104,8 +105,20 @@ def _cubic_interpolate(x1, f1, g1, x2, f2, g2, bounds=None, xp=jnp):
         x2 - (x2 - x1) * ((g2 + d2 - d1) / (g2 - g1 + 2 * d2)),
         x1 - (x1 - x2) * ((g1 + d2 - d1) / (g1 - g2 + 2 * d2)),
     )
-    clipped = xp.minimum(xp.maximum(min_pos, xmin_bound), xmax_bound)
+    # torch: min(max(min_pos, xmin_bound), xmax_bound), Python's min and max
+    clipped = _py_min(xp, _py_max(xp, min_pos, xmin_bound), xmax_bound)
     return xp.where(real, clipped, (xmin_bound + xmax_bound) / 2.0)
+
+
+def _py_max(xp: Any, first: Any, second: Any) -> Any:
+    """Python's ``max(first, second)`` (``_torch_ops.py_max``) in the namespace ``xp``: a
+    NaN ``second`` gives ``first``."""
+    return xp.where(second > first, second, first)
+
+
+def _py_min(xp: Any, first: Any, second: Any) -> Any:
+    """Python's ``min(first, second)`` in the namespace ``xp`` (see ``_py_max``)."""
+    return xp.where(second < first, second, first)
 
 
 class _Traced:
@@ -231,9 +244,9 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, ops=_Traced, c1=1e-4, c2
         b, low = z["bracket"], z["low"]
         high = 1 - low
         t = _cubic_interpolate(b[0, 0], b[0, 1], b[0, 2], b[1, 0], b[1, 1], b[1, 2], xp=xp)
-        b_max, b_min = xp.maximum(b[0, 0], b[1, 0]), xp.minimum(b[0, 0], b[1, 0])
+        b_max, b_min = _py_max(xp, b[0, 0], b[1, 0]), _py_min(xp, b[0, 0], b[1, 0])
         eps = 0.1 * (b_max - b_min)
-        near = xp.minimum(b_max - t, t - b_min) < eps
+        near = _py_min(xp, b_max - t, t - b_min) < eps
         at_edge = z["insuf"] | (t >= b_max) | (t <= b_min)
         moved = xp.where(xp.abs(t - b_max) < xp.abs(t - b_min), b_max - eps, b_min + eps)
         t = xp.where(near & at_edge, moved, t)
@@ -395,7 +408,8 @@ def _lbfgs_iterate(evaluate, x0, loss0, g0, state, static, ops):
         )
         g, loss = c["g"], c["loss"]
         # reset initial guess for step size: the first ever iteration scales by the L1 norm
-        t = xp.where(first, xp.minimum(1.0, 1.0 / xp.sum(xp.abs(g)).astype(sdt)) * lr, lr)
+        # torch: min(1.0, 1.0 / flat_grad.abs().sum()) * lr, Python's min (a NaN norm: 1)
+        t = xp.where(first, _py_min(xp, 1.0, 1.0 / xp.sum(xp.abs(g)).astype(sdt)) * lr, lr)
         gtd = xp.dot(g, d)
         new = {
             **c,
@@ -574,7 +588,7 @@ def lbfgs(
     if max_eval is None:
         max_eval = max_iter * 5 // 4
     static = {"history_size": history_size, "line_search_fn": line_search_fn}
-    values = {"lr": lr, "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
+    values = {"lr": squeeze_lr(lr), "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
     _validate({k: to_python(v) for k, v in values.items()}, static)
     hdt = hparam_dtype()
     hp_values = {k: jnp.asarray(v, hdt) for k, v in values.items()}

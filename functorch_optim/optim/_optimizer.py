@@ -369,15 +369,9 @@ def _copy_leaf(x: Any) -> jax.Array:
 
 def _checked_grad(params: PyTree, value: PyTree) -> tuple[PyTree, bool]:
     """An assigned ``opt.grad``, checked against the parameters and copied; and whether all are None."""
+    # structure, shapes and dtypes (torch: assigned grad has data of a different type)
     check_like_params(params, value, "grad")
-    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     g_leaves = jax.tree.structure(params).flatten_up_to(value)
-    for (path, p), g in zip(p_leaves, g_leaves, strict=True):
-        if g is not None and jnp.result_type(g) != p.dtype:
-            raise ValueError(
-                f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
-                f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
-            )
     copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
     return copied, all(g is None for g in g_leaves)
 
