@@ -767,7 +767,7 @@ LOAD_ERRORS = {
         _sd_group_size,
         "loaded state dict contains a parameter group that doesn't match the size of optimizer's group",
     ),
-    "shape": (_sd_shape, r"momentum_buffer of parameter 1 has shape \(4,\), but the parameter's is \(3,\)"),
+    "shape": (_sd_shape, r"momentum_buffer of parameter 1 has shape \(4,\), but SGD keeps it with shape \(3,\)"),
     "unknown-buffer": (
         _sd_unknown_buffer,
         "has state 'exp_avg', which SGD with these settings does not keep",
