@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import functorch_optim as fo
 import functorch_optim.optim as fo_optim
 from functorch_optim._registry import OPTIMIZERS
 from functorch_optim.interop.torch import (
@@ -655,3 +659,57 @@ def test_sgd_momentum_buffer_none_loads_as_not_stepped_like_torch():
     assert rel_err(opt.params, _host(ts)) <= 1e-15
     with pytest.raises(ValueError, match="parameter 0 has no 'momentum_buffer'"):
         opt.load_state_dict({**sd, "state": {0: {}}})
+
+
+# ---------------------------------------------------------------------------------------
+# one source of truth: pending param_groups edits are in every checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+def test_state_sees_pending_param_group_edits():
+    opt = fo_optim.SGD({"w": jnp.ones(2)}, lr=0.1, momentum=0.9)
+    opt.param_groups[0]["lr"] = 0.025  # as a scheduler's step() writes it
+    assert float(fo.get_hparams(opt.state)["lr"]) == 0.025
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.025
+    assert float(fo.get_hparams(pickle.loads(pickle.dumps(opt)).state)["lr"]) == 0.025
+    old = opt.state
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
+        opt.state  # noqa: B018
+    # assigning restores the state whole: its lr replaces a pending one
+    opt.state = old
+    assert opt.param_groups[0]["lr"] == 0.025
+    lbfgs = fo_optim.LBFGS({"x": jnp.zeros(2)})
+    lbfgs.param_groups[0]["lr"] = 0.5
+    assert float(fo.get_hparams(lbfgs.state)["lr"]) == 0.5
+
+
+def test_checkpoint_after_scheduler_step_resumes_bit_identically_in_a_fresh_process(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    from tests import _resume_checks as rc
+
+    opt, scheduler = rc.build()
+    rc.train(opt, scheduler, range(rc.SPLIT))
+    pending = opt.param_groups[0]["lr"]
+    assert pending != float(fo.get_hparams(opt._states[0])["lr"])  # scheduler.step() is pending
+    rc.checkpoint(opt, scheduler, str(tmp_path))
+    rc.train(opt, scheduler, range(rc.SPLIT, rc.STEPS))
+    expected = rc.summary(opt, scheduler)
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._resume_checks", str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "RESUMED" in proc.stdout, proc.stderr[-3000:]
+    for path in rc.PATHS:
+        got = np.load(os.path.join(tmp_path, f"{path}.npz"))
+        assert sorted(got.files) == sorted(expected)
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype, (path, key)
+            np.testing.assert_array_equal(got[key], value, err_msg=f"{path}: {key}")

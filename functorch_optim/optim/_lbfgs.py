@@ -165,7 +165,12 @@ class LBFGS:
 
     @property
     def state(self) -> LBFGSState:
-        """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history)."""
+        """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history).
+
+        Reading it first applies pending ``param_groups`` edits (as ``step()`` would), so
+        a state saved right after a scheduler's ``step()`` holds the new lr.
+        """
+        self._sync_group()
         return self._state
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -789,9 +789,20 @@ class Optimizer:
     def state(self) -> TorchState | tuple[TorchState, ...]:
         """The functional state: a ``TorchState`` for one parameter group, else a tuple of them.
 
+        ``param_groups`` and the state are one source of truth: reading the state first
+        applies pending ``param_groups`` edits (yours, or a scheduler's ``step()`` before
+        the next ``opt.step()``), as ``step()`` would, so a state saved with orbax or
+        pickle right after ``scheduler.step()`` holds the new lr; an invalid edit raises
+        here with torch's message, changing nothing.
+
         Writable with a state of the same structure, shapes and dtypes (e.g. one
-        restored by orbax); the groups' numeric hyperparameters follow the new state.
+        restored by orbax): assigning restores it whole, and the groups' numeric
+        hyperparameters take the assigned state's values (pending edits included: a
+        scheduler built before the restore, as torch's resume order has it, may have set
+        its start lr; the restored state's lr wins). Pending structural flags stay
+        pending and apply at the next ``step()``.
         """
+        self._sync_groups()
         return self._states[0] if len(self._states) == 1 else tuple(self._states)
 
     @state.setter
@@ -1140,6 +1151,7 @@ class Optimizer:
         return TorchState(fresh.hparams, count, {n: buffers[n] for n in fresh.buffers})
 
     def __getstate__(self) -> dict[str, Any]:
+        self._sync_groups()  # pending param_groups edits are part of the state
         # the transformations are closures: rebuilt from the applied configuration on load
         state = dict(self.__dict__)
         del state["_txs"]
