@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import NamedTuple
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from functorch_optim._checks import to_python
 from functorch_optim._scaler import TorchAssertionError
-from functorch_optim._tree import PyTree, check_params
+from functorch_optim._tree import PyTree, check_params, is_none
 
 AvgFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -119,10 +122,86 @@ class AveragedModelState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AveragedModel:
-    """Pure ``init`` / ``update`` functions of ``averaged_model``."""
+    """Pure ``init`` / ``update`` functions of ``averaged_model``, and its torch state dicts."""
 
     init: Callable[[PyTree], AveragedModelState]
     update: Callable[[AveragedModelState, PyTree], AveragedModelState]
+
+    def state_dict(self, state: AveragedModelState) -> OrderedDict[str, Any]:
+        """``torch.optim.swa_utils.AveragedModel.state_dict()`` of ``state``: torch tensors.
+
+        ``n_averaged`` (torch's 0-d int64 buffer) and ``module.<name>`` for each leaf
+        of ``state.params``, named as ``interop.torch.tree_to_state_dict`` names them.
+        It loads into ``AveragedModel(model).load_state_dict`` (include the module's
+        buffers in ``params``, or pass ``strict=False`` there) and ``torch.load`` reads
+        it with ``weights_only=True``.
+        """
+        import torch
+
+        from functorch_optim.interop.torch import tree_to_state_dict
+
+        out: OrderedDict[str, Any] = OrderedDict(n_averaged=torch.tensor(int(state.n_averaged)))
+        out.update((_MODULE + k, v) for k, v in tree_to_state_dict(state.params).items())
+        return out
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], like: AveragedModelState | None = None
+    ) -> AveragedModelState:
+        """The state of a torch ``AveragedModel.state_dict()`` (or of ``state_dict()``).
+
+        Args:
+          state_dict: ``{"n_averaged": …, "module.<name>": tensor, …}``.
+          like: a state whose tree, shapes and dtypes the loaded one takes (e.g.
+            ``init(params)``), matched by name; default: nested dicts by name, in the
+            tensors' dtypes.
+
+        Returns:
+          An ``AveragedModelState``.
+
+        Raises:
+          ValueError: no ``n_averaged`` or a negative or non-integer one; with ``like``:
+            the names that are missing or unexpected, a shape that differs. Nothing is
+            half loaded.
+        """
+        from functorch_optim.interop.torch import flatten_names, tree_from_state_dict
+
+        if "n_averaged" not in state_dict:
+            raise ValueError("AveragedModel.load_state_dict: the state dict has no 'n_averaged'")
+        n = np.asarray(to_python(state_dict["n_averaged"]))
+        if n.shape != () or not np.issubdtype(n.dtype, np.integer) or n < 0:
+            raise ValueError(f"AveragedModel.load_state_dict: n_averaged must be an integer >= 0, got {n!r}")
+        named = {k[len(_MODULE) :]: v for k, v in state_dict.items() if k.startswith(_MODULE)}
+        foreign = sorted(k for k in state_dict if k != "n_averaged" and not k.startswith(_MODULE))
+        if like is None:
+            if foreign:
+                raise ValueError(f"AveragedModel.load_state_dict: unexpected names {foreign}")
+            params = tree_from_state_dict(named)
+        else:
+            targets = flatten_names(like.params)
+            missing = sorted(k for k, v in targets.items() if v is not None and k not in named)
+            unexpected = foreign + sorted(_MODULE + k for k in set(named) - set(targets))
+            if missing or unexpected:
+                raise ValueError(
+                    f"AveragedModel.load_state_dict: missing names {[_MODULE + k for k in missing]}, "
+                    f"unexpected names {unexpected}"
+                )
+            leaves = []
+            for name, ref in targets.items():
+                if ref is None:
+                    leaves.append(None)
+                    continue
+                value = np.asarray(to_python(named[name]))
+                if value.shape != ref.shape:
+                    raise ValueError(
+                        f"AveragedModel.load_state_dict: {_MODULE + name!r} has shape {value.shape}, "
+                        f"but the state's leaf has shape {ref.shape}"
+                    )
+                leaves.append(jnp.asarray(value, ref.dtype))
+            params = jax.tree.unflatten(jax.tree.structure(like.params, is_leaf=is_none), leaves)
+        return AveragedModelState(params, jnp.asarray(int(n), jnp.int32))
+
+
+_MODULE = "module."  # torch's AveragedModel holds the model as ``self.module``
 
 
 def averaged_model(avg_fn: AvgFn | None = None, multi_avg_fn: AvgFn | None = None) -> AveragedModel:

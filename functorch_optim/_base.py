@@ -325,6 +325,27 @@ def _is_scheduled(value: Any) -> bool:
     return callable(value) or hasattr(value, "init_schedule")
 
 
+def schedule_key(value: Any) -> Any:
+    """Hashable, equal for two hyperparameter values whose schedules step identically: a
+    schedule's ``step_key`` (``functorch_optim.schedules``), per entry for a tuple;
+    ``None`` for a value without a schedule (its value is state). Two transformations
+    of one algorithm whose states have one structure and whose hyperparameters have
+    equal keys compute the same step.
+
+    Raises:
+      TypeError: the value holds user code (a plain ``count -> value`` function, a
+        schedule built on a lambda): it may read values that change, so it is not
+        compared.
+    """
+    if not _is_scheduled(value):
+        return None
+    if isinstance(value, tuple | list):
+        return tuple(schedule_key(v) for v in value)
+    if not hasattr(value, "step_key"):
+        raise TypeError(f"{value!r} is a plain function schedule: not compared by value")
+    return value.step_key
+
+
 def _hparam_dtype(value: Any) -> Any:
     return jnp.result_type(value[0] if isinstance(value, tuple) else value)
 

@@ -115,3 +115,58 @@ def check_fused_flags(fused: Any, differentiable: Any, foreach: Any) -> None:
         raise RuntimeError("`fused` does not support `differentiable`")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+# ------------------------------------------------------------------ state dicts in torch's layout
+
+
+def to_python(x: Any) -> Any:
+    """A state value (array, tensor, number, container) as torch keeps it: Python objects."""
+    if isinstance(x, dict) and type(x) is dict:
+        return {k: to_python(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(to_python(v) for v in x)
+    if hasattr(x, "detach"):  # a torch tensor (a tensor lr)
+        x = x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray | jax.Array | np.generic):
+        x = np.asarray(x)
+        return x.tolist()
+    return x
+
+
+def check_state_dict_keys(
+    owner: str, state_dict: Any, expected: Mapping[str, Any], optional: Any = ()
+) -> None:
+    """``state_dict`` has exactly ``expected``'s keys (``optional`` ones may be absent).
+
+    Raises:
+      TypeError: not a mapping.
+      ValueError: ``{owner}.load_state_dict: not a {owner} state dict in torch's layout
+        (missing [...]; unexpected [...])``.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{owner}.load_state_dict expects a dict, got {type(state_dict).__name__}")
+    missing = sorted(set(expected) - set(state_dict) - set(optional))
+    extra = sorted(set(state_dict) - set(expected))
+    if missing or extra:
+        parts = [f"missing {missing}"] if missing else []
+        parts += [f"unexpected {extra}"] if extra else []
+        raise ValueError(
+            f"{owner}.load_state_dict: not a {owner} state dict in torch's layout ({'; '.join(parts)})"
+        )
+
+
+def check_saved_constants(owner: str, state_dict: Mapping[str, Any], constants: Mapping[str, Any]) -> None:
+    """The saved hyperparameters equal this object's (torch would silently adopt them).
+
+    Raises:
+      ValueError: ``{owner}.load_state_dict: the saved {key} is {saved}, but this {owner}
+        was built with {mine}; build it with the saved arguments``.
+    """
+    for key, mine in constants.items():
+        saved = to_python(state_dict[key])
+        if saved != mine:
+            raise ValueError(
+                f"{owner}.load_state_dict: the saved {key} is {saved!r}, but this {owner} was "
+                f"built with {mine!r}; build it with the saved arguments"
+            )

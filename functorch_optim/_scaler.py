@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import STEP_ATTR
+from functorch_optim._checks import check_saved_constants, check_state_dict_keys, to_python
 from functorch_optim._nonfinite import step_if, update_branches
 from functorch_optim._tree import PyTree, is_none
 
@@ -158,6 +160,68 @@ class GradScaler:
             jnp.where(found, backed, clean_scale),
             jnp.where(found, 0, clean_tracker).astype(jnp.int32),
             state.found_inf,
+        )
+
+    def state_dict(self, state: GradScalerState) -> dict[str, Any]:
+        """``torch.amp.GradScaler.state_dict()`` of ``state``: Python numbers, torch's keys.
+
+        ``{"scale": float, "growth_factor": float, "backoff_factor": float,
+        "growth_interval": int, "_growth_tracker": int}``, or ``{}`` when disabled, as
+        torch. It loads into ``torch.amp.GradScaler(...).load_state_dict`` and
+        ``torch.load`` reads it with ``weights_only=True``. Take it after ``update``
+        (after a step of ``wrap(tx)``), as torch says.
+
+        Examples:
+          >>> import functorch_optim as fo
+          >>> scaler = fo.GradScaler(init_scale=8.0)
+          >>> sd = scaler.state_dict(scaler.init())
+          >>> sd["scale"], sd["growth_interval"], sd["_growth_tracker"]
+          (8.0, 2000, 0)
+          >>> scaler.load_state_dict(sd).scale.item()
+          8.0
+        """
+        if not self.enabled:
+            return {}
+        return {
+            "scale": float(state.scale),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(state.growth_tracker),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScalerState:
+        """The state of a saved ``state_dict()``: this class's or a ``torch.amp.GradScaler``'s.
+
+        Put it back where the state lives: ``state._replace(scaler=scaler.load_state_dict(sd))``
+        for ``wrap(tx)``'s state. Disabled: the initial state (torch's no-op).
+
+        Raises:
+          RuntimeError: ``The source state dict is empty, possibly because it was saved
+            from a disabled instance of GradScaler.`` (torch's text).
+          ValueError: missing or unexpected keys; a saved ``growth_factor``,
+            ``backoff_factor`` or ``growth_interval`` that differs from this scaler's
+            (torch would adopt it; build the scaler with the saved values).
+        """
+        if not self.enabled:
+            return self.init()
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        check_state_dict_keys("GradScaler", state_dict, self.state_dict(self.init()))
+        constants = {k: getattr(self, k) for k in ("growth_factor", "backoff_factor", "growth_interval")}
+        check_saved_constants("GradScaler", state_dict, constants)
+        tracker = to_python(state_dict["_growth_tracker"])
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
+            raise ValueError(
+                f"GradScaler.load_state_dict: _growth_tracker must be an integer >= 0, got {tracker!r}"
+            )
+        return GradScalerState(
+            jnp.asarray(float(state_dict["scale"]), jnp.float32),
+            jnp.asarray(tracker, jnp.int32),
+            jnp.zeros((), jnp.float32),
         )
 
     def wrap(self, tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

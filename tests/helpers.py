@@ -142,3 +142,56 @@ def entry_text(compiled: Any) -> str:
     text = compiled.as_text()
     entry = text[text.index("\nENTRY ") :]
     return entry[: entry.index("\n}")]
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax's backend-compile events) inside a ``with`` block.
+
+    Examples:
+      >>> with CompileCounter() as compiled:
+      ...     _ = jax.jit(lambda x: x + 1)(jnp.zeros(3))
+      >>> compiled.count
+      1
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+# Hugging Face transformers' ``get_linear_schedule_with_warmup`` (optimization.py), verbatim:
+# the lr_lambda torch users pass to LambdaLR (Python ``if``, ``max``, ``float``).
+def _get_linear_schedule_with_warmup_lr_lambda(
+    current_step: int, *, num_warmup_steps: int, num_training_steps: int
+):
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    return max(
+        0.0, float(num_training_steps - current_step) / float(max(1, num_training_steps - num_warmup_steps))
+    )
+
+
+def get_linear_schedule_with_warmup(
+    optimizer, num_warmup_steps, num_training_steps, last_epoch=-1, *, LambdaLR
+):
+    """transformers' function; ``LambdaLR`` is torch's class or ``functorch_optim.optim``'s."""
+    import functools
+
+    lr_lambda = functools.partial(
+        _get_linear_schedule_with_warmup_lr_lambda,
+        num_warmup_steps=num_warmup_steps,
+        num_training_steps=num_training_steps,
+    )
+    return LambdaLR(optimizer, lr_lambda, last_epoch)

@@ -23,7 +23,7 @@ from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim.interop.torch import flatten_names
 from functorch_optim.optim import SGD, Optimizer, group_by, make_optimizer_class, state_dict_to_torch
 from functorch_optim.optim._optimizer import _BACKWARD, _STEP
-from tests.helpers import rel_err
+from tests.helpers import CompileCounter, rel_err
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -767,7 +767,10 @@ LOAD_ERRORS = {
         _sd_group_size,
         "loaded state dict contains a parameter group that doesn't match the size of optimizer's group",
     ),
-    "shape": (_sd_shape, r"momentum_buffer of parameter 1 has shape \(4,\), but SGD keeps it with shape \(3,\)"),
+    "shape": (
+        _sd_shape,
+        r"momentum_buffer of parameter 1 has shape \(4,\), but SGD keeps it with shape \(3,\)",
+    ),
     "unknown-buffer": (
         _sd_unknown_buffer,
         "has state 'exp_avg', which SGD with these settings does not keep",
@@ -798,10 +801,12 @@ def test_invalid_param_group_assignment_raises_at_step_and_changes_nothing():
     opt.param_groups[1]["lr"] = -1.0
     with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         opt.step()
-    after = snapshot(opt)
-    for x, y in zip(before[0] + before[1], after[0] + after[1], strict=True):
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
+        opt.state  # noqa: B018  (reading the state applies pending edits too: the same refusal)
+    after = leaves_np(opt.params) + leaves_np(opt._states)  # the held state, as it stands
+    for x, y in zip(before[0] + before[1], after, strict=True):
         np.testing.assert_array_equal(x, y)
-    assert float(fo.get_hparams(opt.state[0])["momentum"]) == 0.9
+    assert float(fo.get_hparams(opt._states[0])["momentum"]) == 0.9
 
 
 def test_add_param_group_like_torch():
@@ -1070,3 +1075,74 @@ def opt_compiles():
     from functorch_optim.optim._lbfgs import _STEP as LBFGS_STEP
 
     return LBFGS_STEP._cache_size()
+
+
+# ---------------------------------------------------------------------------------------
+# schedules: optimizers of one configuration share one compiled step
+# ---------------------------------------------------------------------------------------
+
+
+def _sweep(make_schedule, n=20, steps=3):
+    """``n`` SGD facades, schedule ``make_schedule(i)``, ``steps`` steps each, against torch."""
+    w0, grad = np.array([1.0, -2.0]), np.array([0.5, 1.0])
+    with CompileCounter() as compiled:
+        for i in range(n):
+            sched, torch_sched = make_schedule(i)
+            opt = SGD({"w_sweep": jnp.asarray(w0)}, lr=sched, momentum=0.9)
+            tw = torch.tensor(w0, requires_grad=True)
+            topt = torch.optim.SGD([tw], lr=1.0, momentum=0.9)
+            tsched = torch_sched(topt)
+            for _ in range(steps):
+                opt.grad = {"w_sweep": jnp.asarray(grad)}
+                opt.step()
+                tw.grad = torch.tensor(grad)
+                topt.step()
+                tsched.step()
+            np.testing.assert_allclose(opt.params["w_sweep"], tw.detach().numpy(), rtol=1e-15, atol=0)
+    return compiled.count
+
+
+def _torch_step_lr(lr, **kw):
+    def make(topt):
+        topt.param_groups[0]["lr"] = lr
+        return torch.optim.lr_scheduler.StepLR(topt, **kw)
+
+    return make
+
+
+def test_facades_whose_schedules_differ_in_lr_share_one_compiled_step():
+    _sweep(lambda i: (fo.schedules.step_lr(0.5, 1, 0.5), _torch_step_lr(0.5, step_size=1, gamma=0.5)), n=1)
+    before = _STEP._cache_size()
+    count = _sweep(
+        lambda i: (
+            fo.schedules.step_lr(0.1 + 0.01 * i, step_size=1, gamma=0.5),
+            _torch_step_lr(0.1 + 0.01 * i, step_size=1, gamma=0.5),
+        )
+    )
+    assert count == 0 and _STEP._cache_size() == before  # the warm-up's compiled step serves all 20
+
+
+def test_facades_whose_schedules_differ_in_structure_do_not_share_a_step():
+    # a different gamma or step size is another step: torch's numbers for each
+    _sweep(
+        lambda i: (
+            fo.schedules.step_lr(0.1, step_size=1 + i % 2, gamma=(0.5, 0.25)[i // 2]),
+            _torch_step_lr(0.1, step_size=1 + i % 2, gamma=(0.5, 0.25)[i // 2]),
+        ),
+        n=4,
+    )
+
+
+def test_a_schedule_holding_user_code_is_never_shared():
+    # the lambda reads a variable that changes between two builds: each facade traces it anew
+    factor = {"value": 0.5}
+    fn = lambda e: factor["value"] ** e  # noqa: E731
+    params = []
+    for value in (0.5, 0.25):
+        factor["value"] = value
+        opt = SGD({"w_user_code": jnp.array([1.0])}, lr=fo.schedules.lambda_lr(0.1, fn))
+        for _ in range(2):
+            opt.grad = {"w_user_code": jnp.array([1.0])}
+            opt.step()
+        params.append(float(opt.params["w_user_code"][0]))
+    assert params == [1.0 - 0.1 - 0.1 * 0.5, 1.0 - 0.1 - 0.1 * 0.25]  # lr 0.1, then 0.1 * factor

@@ -146,3 +146,85 @@ def test_with_grad_accumulate_scale_moves_once_per_window():
     assert scales == [16.0, 32.0, 32.0, 16.0, 16.0, 32.0]
     assert np.asarray(params["w"]).tolist() == [-5.0, -7.0]
     assert int(state.inner_state.inner_state.count) == 2
+
+
+def _torch_run(ref, opt, t, grads, start, stop):
+    """torch's loop for steps start..stop-1 with the injected infs; scales and trackers seen."""
+    seen = []
+    for i in range(start, stop):
+        ref.scale(torch.ones(()))
+        scaled = grads[i] * np.float32(ref.get_scale())
+        if _bad_at(i) is not None:
+            scaled[2] = _bad_at(i)
+        t.grad = torch.tensor(scaled)
+        ref.step(opt)
+        ref.update()
+        seen.append((ref.get_scale(), ref._get_growth_tracker()))
+    return seen
+
+
+def _our_run(scaler, tx, params, state, grads, start, stop):
+    seen = []
+    for i in range(start, stop):
+        scaled = grads[i] * np.float32(state.scaler.scale)
+        if _bad_at(i) is not None:
+            scaled[2] = _bad_at(i)
+        params, state = fo.step(tx, params, {"w": jnp.asarray(scaled)}, state)
+        seen.append((float(state.scaler.scale), int(state.scaler.growth_tracker)))
+    return params, state, seen
+
+
+def test_state_dict_is_torchs_and_resumes_both_ways(tmp_path):
+    """torch 10 steps -> its state_dict -> ours 10 steps -> ours -> torch 10 steps, over
+    injected infs: scale and growth tracker equal to torch's uninterrupted run."""
+    rng = np.random.default_rng(1)
+    grads = rng.standard_normal((30, 5)).astype(np.float32)
+    t = torch.zeros(5, requires_grad=True)
+    opt = torch.optim.SGD([t], lr=0.05)
+    ref = torch.amp.GradScaler("cpu", **CONFIG)
+    full = _torch_run(ref, opt, t, grads, 0, 30)
+
+    t = torch.zeros(5, requires_grad=True)
+    opt = torch.optim.SGD([t], lr=0.05)
+    ref = torch.amp.GradScaler("cpu", **CONFIG)
+    first = _torch_run(ref, opt, t, grads, 0, 10)
+    saved = ref.state_dict()
+    torch.save(saved, tmp_path / "scaler.pt")
+
+    scaler = fo.GradScaler(**CONFIG)
+    tx = scaler.wrap(fo.sgd(lr=0.05))
+    params = {"w": jnp.asarray(t.detach().numpy())}
+    state = tx.init(params)
+    state = state._replace(scaler=scaler.load_state_dict(torch.load(tmp_path / "scaler.pt")))
+    assert scaler.state_dict(state.scaler) == saved
+    params, state, middle = _our_run(scaler, tx, params, state, grads, 10, 20)
+
+    ours = scaler.state_dict(state.scaler)
+    assert [(k, type(v)) for k, v in ours.items()] == [(k, type(v)) for k, v in saved.items()]
+    torch.save(ours, tmp_path / "ours.pt")
+    ref2 = torch.amp.GradScaler("cpu", init_scale=1.0, growth_factor=3.0, backoff_factor=0.25)
+    ref2.load_state_dict(torch.load(tmp_path / "ours.pt"))  # weights_only=True reads it
+    t2 = torch.tensor(np.asarray(params["w"]), requires_grad=True)
+    last = _torch_run(ref2, torch.optim.SGD([t2], lr=0.05), t2, grads, 20, 30)
+    assert first + middle + last == full
+    assert len({s for s, _ in full}) >= 4 and max(tr for _, tr in full) == 2  # grew and backed off
+
+
+def test_load_state_dict_refuses_foreign_dicts_like_torch_and_more():
+    scaler = fo.GradScaler(**CONFIG)
+    with pytest.raises(RuntimeError) as ref:
+        torch.amp.GradScaler("cpu").load_state_dict({})
+    with pytest.raises(RuntimeError, match=re.escape(str(ref.value))):
+        scaler.load_state_dict({})
+    good = scaler.state_dict(scaler.init())
+    with pytest.raises(
+        ValueError, match=r"the saved growth_factor is 2.0, but this GradScaler was built with 3.0"
+    ):
+        scaler.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+    with pytest.raises(ValueError, match=r"missing \['_growth_tracker'\]"):
+        scaler.load_state_dict({k: v for k, v in good.items() if k != "_growth_tracker"})
+    with pytest.raises(ValueError, match="_growth_tracker must be an integer >= 0, got -1"):
+        scaler.load_state_dict({**good, "_growth_tracker": -1})
+    off = fo.GradScaler(enabled=False)
+    assert off.state_dict(off.init()) == torch.amp.GradScaler("cpu", enabled=False).state_dict() == {}
+    assert float(off.load_state_dict(good).scale) == 1.0  # disabled: a no-op, as torch

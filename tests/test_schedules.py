@@ -6,6 +6,7 @@ Every sequence is compared with torch's ``get_last_lr()`` after each ``scheduler
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -19,6 +20,7 @@ from torch.optim.swa_utils import SWALR
 
 import functorch_optim as fo
 from functorch_optim import schedules as S
+from tests.helpers import _get_linear_schedule_with_warmup_lr_lambda
 
 N = 320
 LRS = [0.1, 0.03]  # two param groups with different base lrs
@@ -634,3 +636,45 @@ def test_donated_steps_and_repeated_init():
     ref = sched.values(8)
     assert float(fo.get_hparams(state)["lr"]) == ref[8]
     assert float(fo.get_hparams(tx.init({"w": jnp.ones(3)}))["lr"]) == ref[0]
+
+
+# ----------------------------------------------------------------------------- traced lambdas
+def test_lambda_that_cannot_be_traced_names_the_lambda_and_the_fix():
+    hf = functools.partial(
+        _get_linear_schedule_with_warmup_lr_lambda, num_warmup_steps=5, num_training_steps=30
+    )
+    with pytest.raises(TypeError, match=r"lr_lambda _get_linear_schedule_with_warmup_lr_lambda \(") as info:
+        S.lambda_lr(0.1, hf)
+    text = str(info.value)
+    assert "helpers.py:" in text and "jnp.where" in text
+    assert "functorch_optim.optim.lr_scheduler.LambdaLR" in text
+
+    def decay(epoch):
+        return 1.0 if epoch < 3 else 0.5
+
+    with pytest.raises(TypeError, match=r"lr_lambda .*decay \(.*MultiplicativeLR"):
+        S.multiplicative_lr(LRS, [lambda e: 0.9, decay])
+
+
+def test_traced_lambda_counter_gives_float64_arithmetic():
+    """``e / n`` with an integer counter is float64 under x64, as Python's int / int."""
+
+    def warmup(e):  # transformers' warmup lambda in jax.numpy
+        return jnp.where(e < 5, e / 5, jnp.maximum(0.0, (30 - e) / 25))
+
+    ref = torch_sequence(
+        lambda o: L.LambdaLR(
+            o,
+            functools.partial(
+                _get_linear_schedule_with_warmup_lr_lambda, num_warmup_steps=5, num_training_steps=30
+            ),
+        ),
+        n=34,
+    )[0]
+    sched = S.lambda_lr(LRS, warmup)
+    assert np.array_equal(sched.values(16), ref[:17])  # op by op: Python's float64 numbers
+    got = sched.values(34)  # one jitted scan: XLA may turn ``e / 5`` into ``e * 0.2`` (1 ulp)
+    assert got.dtype == np.float64
+    assert np.max(np.abs(got - ref)) <= 2e-16 * np.max(ref)  # an int32 counter: 4.8e-9
+    ref = torch_sequence(lambda o: L.MultiplicativeLR(o, lambda e: 1 - e / 70), n=16)[0]
+    assert np.array_equal(S.multiplicative_lr(LRS, lambda e: 1 - e / 70).values(16), ref)

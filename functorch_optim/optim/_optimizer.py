@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState
+from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, schedule_key
 from functorch_optim._base import step as functional_step
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
@@ -223,21 +223,22 @@ def _backward(loss_fn, layout, params, grads, args, kwargs):
     return loss, acc
 
 
-#: Transformations by (algorithm, state structure): two with equal keys step identically
-#: (the step reads numeric hyperparameters from the state; everything else it uses is the
-#: algorithm and the static flags, which the state's structure carries), so optimizers
+#: Transformations by (algorithm, state structure, schedules): two with equal keys step
+#: identically (the step reads numeric hyperparameters, a schedule's learning rate and
+#: counters from the state; everything else it uses is the algorithm, the static flags,
+#: which the state's structure carries, and the schedules' ``step_key``), so optimizers
 #: of the same configuration share one compiled step, across instances too.
-_TX_CACHE: dict[tuple[Any, Any], Any] = {}
+_TX_CACHE: dict[tuple[Any, Any, Any], Any] = {}
 
 
 def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
     """The cached transformation equivalent to ``tx`` (``tx`` itself the first time)."""
-    if any(callable(v) for v in config.values()):  # a schedule: its function is in the closure
-        return tx
     algorithm = getattr(tx.update, ALGORITHM_ATTR)
     try:
-        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state)), tx)
-    except TypeError:  # unhashable static metadata: no sharing
+        keys = {k: schedule_key(v) for k, v in config.items()}
+        schedules = tuple(sorted((k, key) for k, key in keys.items() if key is not None))
+        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state), schedules), tx)
+    except TypeError:  # unhashable static metadata or schedule argument: no sharing
         return tx
 
 
