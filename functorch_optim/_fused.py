@@ -32,7 +32,9 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -274,14 +276,27 @@ def _locked(directory: int) -> Iterator[None]:
 
 
 def _build(compiler: str) -> bytes:
-    """The kernel library's bytes, compiled in a private temporary directory."""
+    """The kernel library's bytes, compiled in a private temporary directory.
+
+    A build takes seconds: it says so on stderr, and when it is done, rather than wait
+    silently.
+    """
+    print(
+        f"functorch_optim: building the fused=True kernels with {Path(compiler).name} "
+        f"(once per machine and version; cached in {_cache_dir()}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / "fused_kernels.so"
         command = [compiler, *_FLAGS, "-w", "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"building the fused kernel failed:\n{' '.join(command)}\n{result.stderr}")
-        return built.read_bytes()
+        data = built.read_bytes()
+    print(f"functorch_optim: fused kernels built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return data
 
 
 def _write_new(directory: int, name: str, data: bytes) -> int:

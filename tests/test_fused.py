@@ -348,6 +348,25 @@ def test_window_over_many_parameters_is_split_into_bounded_calls():
     assert len(re.findall(r"fo_sgd", text)) == 2
 
 
+def test_the_kernel_build_says_what_it_is_waiting_for(tmp_path):
+    # a fresh cache: the build runs (seconds) and announces itself on stderr
+    import os
+    import subprocess
+    import sys
+
+    code = "import functorch_optim as fo; fo.sgd(lr=0.1, fused=True); print('built')"
+    env = {**os.environ, "FUNCTORCH_OPTIM_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "built"
+    lines = run.stderr.splitlines()
+    assert any(line.startswith("functorch_optim: building the fused=True kernels") for line in lines), lines
+    assert any(re.fullmatch(r"functorch_optim: fused kernels built in \d+\.\d s", line) for line in lines)
+    assert len(list(tmp_path.glob("fused_kernels-*.so"))) == 1
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "building" not in again.stderr  # cached: nothing to wait for
+
+
 RESUME = """
 import pickle, sys
 import jax
