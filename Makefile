@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo parity test lint docs setup clean
+.PHONY: demo parity test fuzz lint docs setup clean
 
 # pip prints a line per package it collects and installs (about 80 s the first time)
 $(STAMP): pyproject.toml constraints.txt
@@ -30,6 +30,10 @@ parity: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m pytest -q -p no:cacheprovider --nbmake examples
+
+# property-based fuzzing against torch with ten times the suite's examples (and shrinking)
+fuzz: $(STAMP)
+	FUNCTORCH_OPTIM_FUZZ=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict

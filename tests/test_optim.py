@@ -834,6 +834,29 @@ def test_add_param_group_like_torch():
         SGD({"w": w0}).add_param_group({"params": [b0]})
 
 
+def test_adagrad_group_initial_accumulator_value_seeds_nothing_like_torch():
+    # torch's Adagrad builds every ``sum`` in __init__ from the constructor's
+    # initial_accumulator_value: a group's own value shows in param_groups, seeds nothing
+    w0, b0 = np.array([1.0, -2.0]), np.array([0.5])
+    groups = lambda w, b: [{"params": [w], "initial_accumulator_value": 0.7}, {"params": [b]}]
+    opt = fo.optim.Adagrad(groups(w0, b0), lr=0.1, initial_accumulator_value=0.2)
+    tw, tb = torch_tensors([w0, b0])
+    t_opt = torch.optim.Adagrad(groups(tw, tb), lr=0.1, initial_accumulator_value=0.2, foreach=False)
+    grads = [[np.array([0.3, -1.0])], [np.array([2.0])]]
+    for _ in range(2):
+        opt.grad = grads
+        opt.step()
+        for t, g in zip([tw, tb], [grads[0][0], grads[1][0]], strict=True):
+            t.grad = torch.tensor(g)
+        t_opt.step()
+    assert rel_err(jax.tree.leaves(opt.params), [t.detach().numpy() for t in (tw, tb)]) <= 1e-15
+    for i, t in enumerate((tw, tb)):
+        np.testing.assert_allclose(
+            opt.state_dict()["state"][i]["sum"], t_opt.state[t]["sum"].numpy(), rtol=1e-15
+        )
+    assert opt.param_groups[0]["initial_accumulator_value"] == 0.7
+
+
 def test_grad_and_state_setters_validate():
     opt = two_group_opt()
     before = snapshot(opt)

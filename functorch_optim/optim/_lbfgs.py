@@ -101,7 +101,11 @@ class LBFGS:
     Raises:
       ValueError: ``LBFGS doesn't support per-parameter options (parameter groups)``
         (torch's text) for a list of group dicts other than a single one;
-        ``Invalid learning rate: {lr}``; ``optimizer got an empty parameter list``.
+        ``Invalid learning rate: {lr}``; ``optimizer got an empty parameter list``;
+        ``some parameters appear in more than one parameter group`` (torch's text, checked
+        first) when groups share an array.
+      UserWarning: torch's "a parameter group with duplicate parameters" warning when the
+        same array appears twice.
       RuntimeError: ``only 'strong_wolfe' is supported`` for another ``line_search_fn``.
 
     Examples:
@@ -155,11 +159,14 @@ class LBFGS:
             and params
             and all(isinstance(g, Mapping) and "params" in g for g in params)
         ):
+            # torch's Optimizer checks for duplicates before LBFGS looks at the group count
+            Optimizer._check_duplicates([g["params"] for g in params])
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
             overrides = {k: v for k, v in params[0].items() if k != "params"}
             params = params[0]["params"]
         else:
+            Optimizer._check_duplicates([params])
             overrides = {}
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")

@@ -574,7 +574,10 @@ class Optimizer:
         # everything validated: now copy the parameters and build the states
         self._layout = layout
         self._params = [jax.tree.map(_copy_leaf, tree) for tree in trees]
-        self._states = [tx.init(tree) for tx, tree in zip(txs, self._params, strict=True)]
+        self._states = [
+            self._initial_state(tx, alg, tree)
+            for tx, alg, tree in zip(txs, algorithms, self._params, strict=True)
+        ]
         self._txs = [_shared(tx, st, g) for tx, st, g in zip(txs, self._states, groups, strict=True)]
         self._algorithms = algorithms
         self._numeric = [frozenset(s.hparams) for s in self._states]
@@ -589,6 +592,19 @@ class Optimizer:
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
 
     # -- construction helpers -----------------------------------------------------------
+
+    def _initial_state(self, tx: Any, algorithm: Algorithm, tree: PyTree) -> TorchState:
+        """``tx.init(tree)``; for an algorithm whose state torch creates in ``__init__``
+        (Adagrad), the buffers come from the constructor's arguments, as torch's loop there
+        reads them: a group's own ``initial_accumulator_value`` shows in ``param_groups``
+        but does not seed its ``sum``."""
+        state = tx.init(tree)
+        if not algorithm.torch_state_at_init:
+            return state
+        factory = type(self).factory
+        fresh = factory(**{k: self.defaults[k] for k in self._factory_params}).init(tree)
+        buffers = {n: b if n == "step" else fresh.buffers[n] for n, b in state.buffers.items()}
+        return TorchState(state.hparams, state.count, buffers)
 
     def _check_keys(self, index: int, overrides: Mapping[str, Any]) -> None:
         unknown = sorted(set(overrides) - set(self._factory_params) - set(_GROUP_KEYS))
