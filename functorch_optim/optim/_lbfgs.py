@@ -27,14 +27,20 @@ from functorch_optim.optim._optimizer import (
     _Layout,
     _same,
     _torch_available,
+    check_foreign_keys,
     check_names,
     closure_takes_params,
     export_state_dict,
     read_state_dict,
+    whole_count,
 )
 
 #: The constructor's arguments, torch's order; the keys of ``param_groups[0]``.
 _ARGS = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size", "line_search_fn")
+#: torch's global state entry: the counters, then (after an iteration) the history, then the
+#: two-loop scratch list ``al`` (optional: recomputed).
+_COUNTERS = ("func_evals", "n_iter")
+_HISTORY = ("d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss")
 #: Those living in the functional state (``set_hparams``: no recompilation).
 _NUMERIC = ("lr", "max_iter", "max_eval", "tolerance_grad", "tolerance_change")
 
@@ -185,7 +191,12 @@ class LBFGS:
 
     @property
     def state(self) -> LBFGSState:
-        """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history)."""
+        """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history).
+
+        Reading it first applies pending ``param_groups`` edits (as ``step()`` would), so
+        a state saved right after a scheduler's ``step()`` holds the new lr.
+        """
+        self._sync_group()
         return self._state
 
     @property
@@ -377,9 +388,14 @@ class LBFGS:
         Raises:
           ValueError: ``loaded state dict has a different number of parameter groups``,
             ``loaded state dict contains a parameter group that doesn't match the size of
-            optimizer's group`` (torch's texts); a vector whose length differs from the
-            parameters' or a history longer than ``history_size``. Nothing changes when
-            it raises.
+            optimizer's group`` (torch's texts); a saved parameter name that differs from
+            this optimizer's (see ``Optimizer.load_state_dict``); another optimizer's
+            hyperparameter in the group; state under another id than the first
+            parameter's; an entry without ``func_evals`` or ``n_iter``, with a negative or
+            fractional one, without the history after an iteration, or with a key LBFGS
+            does not keep; a vector whose length or dtype differs from the parameters',
+            history lists of different lengths, or a history longer than
+            ``history_size``. Nothing changes when it raises.
         """
         groups, entries = read_state_dict(state_dict)
         if len(groups) != 1:
@@ -392,25 +408,53 @@ class LBFGS:
             )
         first = saved["params"][0]
         check_names(0, saved, self.param_groups[0].get("param_names"))
+        check_foreign_keys("LBFGS", 0, saved, set(_ARGS))
+        if set(entries) - {first}:
+            other = sorted(set(entries) - {first}, key=str)[0]
+            raise ValueError(
+                f"loaded state dict has state for parameter id {other!r}; LBFGS keeps its state "
+                f"under the first parameter ({first!r}) only"
+            )
         entry = entries.get(first, {})
         config = {k: self.param_groups[0][k] for k in _ARGS}
         config.update({k: _as_tuples(saved[k], config[k]) for k in _ARGS if k in saved})
         config = {k: to_python(v) if k in _NUMERIC else v for k, v in config.items()}
         tx = lbfgs(**config)
-        state = self._state_from_entry(tx, entry)
+        state = self._state_from_entry(tx, entry, first)
         extra = {k: v for k, v in saved.items() if k not in _ARGS and k != "params"}
         self._tx, self._state = tx, state
         self.param_groups[0] = {**self.param_groups[0], **extra, **config, "params": self._params}
         self._applied = dict(config)
 
-    def _state_from_entry(self, tx: Any, entry: Mapping[str, Any]) -> LBFGSState:
+    def _state_from_entry(self, tx: Any, entry: Mapping[str, Any], first: Any = 0) -> LBFGSState:
         fresh = tx.init(self._params)
         fields: dict[str, Any] = {"count": self._state.count}
         if not entry:
             return _own(fresh._replace(**fields))
-        fields["func_evals"] = jnp.asarray(int(entry.get("func_evals", 0)), jnp.int32)
-        fields["n_iter"] = jnp.asarray(int(entry.get("n_iter", 0)), jnp.int32)
-        if "d" in entry:
+        who = f"parameter {first!r}"
+        known = (*_COUNTERS, *_HISTORY, "al")
+        for key in entry:
+            if key not in known:
+                raise ValueError(
+                    f"loaded state dict: {who} has state {key!r}, which LBFGS does not keep "
+                    f"(it keeps: {', '.join(known)})"
+                )
+        counters = {}
+        for key in _COUNTERS:
+            if key not in entry:
+                raise ValueError(
+                    f"loaded state dict: {who} has no {key!r}; LBFGS keeps {' and '.join(_COUNTERS)}"
+                )
+            counters[key] = whole_count(entry[key], who, key)
+        missing = [key for key in _HISTORY if key not in entry]
+        if counters["n_iter"] > 0 and missing:
+            raise ValueError(
+                f"loaded state dict: {who} has no {missing[0]!r}; after an iteration LBFGS keeps "
+                f"{', '.join(_HISTORY)}"
+            )
+        fields["func_evals"] = jnp.asarray(counters["func_evals"], jnp.int32)
+        fields["n_iter"] = jnp.asarray(counters["n_iter"], jnp.int32)
+        if counters["n_iter"] > 0:
             n, dtype = fresh.d.shape[0], fresh.d.dtype
             size = fresh.ro.shape[0]
 
@@ -418,11 +462,21 @@ class LBFGS:
                 v = _to_numpy(value).reshape(-1)
                 if v.shape != (n,):
                     raise ValueError(
-                        f"loaded state dict: {name} has {v.shape[0]} entries, the parameters have {n}"
+                        f"loaded state dict: {name} of {who} has {v.shape[0]} entries, the parameters {n}"
+                    )
+                if v.dtype != dtype:
+                    raise ValueError(
+                        f"loaded state dict: {name} of {who} has dtype {v.dtype}, but LBFGS keeps it "
+                        f"in {dtype} (the parameters' dtype)"
                     )
                 return jnp.asarray(v, dtype)
 
             dirs, stps, ro = list(entry["old_dirs"]), list(entry["old_stps"]), list(entry["ro"])
+            if not len(dirs) == len(stps) == len(ro):
+                raise ValueError(
+                    f"loaded state dict: old_dirs, old_stps and ro of {who} have {len(dirs)}, "
+                    f"{len(stps)} and {len(ro)} entries; they must have one per history pair"
+                )
             if len(ro) > size:
                 raise ValueError(f"loaded state dict: {len(ro)} history pairs, more than history_size={size}")
             old_dirs, old_stps, ro_buf = fresh.old_dirs, fresh.old_stps, fresh.ro

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -344,6 +345,87 @@ def check_names(g: int, saved: Mapping[str, Any], ours: Sequence[str] | None) ->
             )
 
 
+def group_entries(
+    saved_groups: Sequence[Mapping[str, Any]], saved_state: Mapping[Any, Any]
+) -> list[dict[int, tuple[Any, Any]]]:
+    """Per saved group, ``{position: (id, entry)}``: torch's ids mapped to positions.
+
+    Raises:
+      ValueError: for an id listed twice, or state for an id no group lists.
+    """
+    id_map: dict[Any, tuple[int, int]] = {}
+    for g, saved in enumerate(saved_groups):
+        for j, sid in enumerate(saved["params"]):
+            if sid in id_map:
+                raise ValueError(f"loaded state dict lists parameter id {sid!r} more than once")
+            id_map[sid] = (g, j)
+    entries: list[dict[int, tuple[Any, Any]]] = [{} for _ in saved_groups]
+    for key, value in saved_state.items():
+        if key not in id_map:
+            raise ValueError(
+                f"loaded state dict has state for parameter id {key!r}, which no parameter group lists"
+            )
+        g, j = id_map[key]
+        entries[g][j] = (key, value)
+    return entries
+
+
+@functools.cache
+def _hyperparameter_owners() -> dict[str, tuple[str, ...]]:
+    """Every registered optimizer's hyperparameter names, each with the classes taking it."""
+    from functorch_optim._registry import OPTIMIZERS
+
+    owners: dict[str, list[str]] = {}
+    for spec in OPTIMIZERS:
+        for p in _factory_parameters(spec.factory):
+            owners.setdefault(p.name, []).append(spec.torch_name)
+    return {k: tuple(v) for k, v in owners.items()}
+
+
+def check_foreign_keys(cls: str, g: int, saved: Mapping[str, Any], own: set[str]) -> None:
+    """Refuse a saved group holding another optimizer class's hyperparameter.
+
+    torch's dicts do not name their class; their groups do hold every hyperparameter of
+    it. A key that is some registered optimizer's hyperparameter, but neither one of
+    ``own`` nor of the registered class named ``cls``, means the dict is another
+    optimizer's (an Adam dict has ``amsgrad``, which NAdam lacks). Keys no optimizer
+    takes (a scheduler's ``initial_lr``) are kept, as torch keeps them.
+
+    Args:
+      cls: this optimizer's class name, for the message.
+      g: the group's index.
+      saved: the saved group.
+      own: every key this optimizer's groups hold.
+
+    Raises:
+      ValueError: naming the first foreign key and the classes that take it.
+    """
+    owners = _hyperparameter_owners()
+    for k in saved:
+        # a class of torch's name (a custom one built by make_optimizer_class) takes its keys
+        if k not in own and k not in _GROUP_KEYS and k in owners and cls not in owners[k]:
+            raise ValueError(
+                f"loaded state dict: parameter group {g} has {k!r}, a hyperparameter of "
+                f"{', '.join(owners[k])} that {cls} does not take: is it another optimizer's state dict?"
+            )
+
+
+def whole_count(value: Any, who: str, key: str = "step") -> int:
+    """A saved counter (``step``; LBFGS's ``n_iter``), a tensor, array or number, as an int.
+
+    Raises:
+      ValueError: naming ``key`` and ``who`` for anything but a whole number >= 0.
+    """
+    arr = _to_numpy(value)
+    ok = arr.shape in ((), (1,)) and (
+        jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+    )
+    number = float(arr.reshape(())) if ok else None
+    if number is None or not np.isfinite(number) or number < 0 or number != int(number):
+        raise ValueError(f"loaded state dict: {key!r} of {who} is {value!r}; it must be a whole number >= 0")
+    return int(number)
+
+
 def _as_tuples(value: Any, like: Any) -> Any:
     """``value`` with lists turned into tuples where ``like`` (the current value) has tuples."""
     if isinstance(like, tuple) and isinstance(value, list | tuple) and len(value) == len(like):
@@ -468,6 +550,7 @@ class Optimizer:
             raise TypeError("Optimizer is abstract; make a class with make_optimizer_class(factory)")
         self.defaults = dict(defaults)
         self._factory_params = tuple(p.name for p in _factory_parameters(factory))
+        self._factory_defaults = {p.name: p.default for p in _factory_parameters(factory)}
         layout, trees, overrides, derived = self._split(params)
         for i, over in enumerate(overrides):
             self._check_keys(i, over)
@@ -716,9 +799,20 @@ class Optimizer:
     def state(self) -> TorchState | tuple[TorchState, ...]:
         """The functional state: a ``TorchState`` for one parameter group, else a tuple of them.
 
+        ``param_groups`` and the state are one source of truth: reading the state first
+        applies pending ``param_groups`` edits (yours, or a scheduler's ``step()`` before
+        the next ``opt.step()``), as ``step()`` would, so a state saved with orbax or
+        pickle right after ``scheduler.step()`` holds the new lr; an invalid edit raises
+        here with torch's message, changing nothing.
+
         Writable with a state of the same structure, shapes and dtypes (e.g. one
-        restored by orbax); the groups' numeric hyperparameters follow the new state.
+        restored by orbax): assigning restores it whole, and the groups' numeric
+        hyperparameters take the assigned state's values (pending edits included: a
+        scheduler built before the restore, as torch's resume order has it, may have set
+        its start lr; the restored state's lr wins). Pending structural flags stay
+        pending and apply at the next ``step()``.
         """
+        self._sync_groups()
         return self._states[0] if len(self._states) == 1 else tuple(self._states)
 
     @state.setter
@@ -949,9 +1043,20 @@ class Optimizer:
         position (a permuted dict is refused instead of loading each state into another
         parameter); saved names replace missing ones, as in torch. The saved groups'
         hyperparameters replace the current ones (extra keys such as ``initial_lr`` are
-        kept). A parameter without an entry gets fresh state. ``count`` becomes the largest
-        per-parameter ``step``; for SGD, whose torch state has no ``step``, a parameter
-        with a momentum buffer resumes as already stepped (all SGD's rule reads).
+        kept); a flag a group lacks (``maximize``, ``foreach``, …: a dict of an older
+        torch) takes its default, as torch's ``__setstate__`` gives it. A parameter
+        without an entry gets fresh state. ``count`` becomes the largest per-parameter
+        ``step``; for SGD, whose torch state has no ``step``, a parameter with a momentum
+        buffer resumes as already stepped (all SGD's rule reads), one whose
+        ``momentum_buffer`` is ``None`` (torch's SGD with momentum 0) as not stepped.
+
+        Stricter than torch, which loads anything of the right length and fails (or
+        silently computes with another optimizer's state) later: every entry must hold
+        exactly what this optimizer keeps for that parameter, ``step`` a whole number
+        >= 0, each buffer the shape and, where it has the parameter's dtype, the dtype
+        this optimizer keeps (scalars torch keeps in its default dtype, NAdam's
+        ``mu_product``, ASGD's ``eta`` and ``mu``, are cast); the groups must hold no
+        other optimizer's hyperparameter and every numeric one of this optimizer's.
 
         Args:
           state_dict: ``{"state": {...}, "param_groups": [...]}``.
@@ -960,10 +1065,15 @@ class Optimizer:
           ValueError: ``loaded state dict has a different number of parameter groups``,
             ``loaded state dict contains a parameter group that doesn't match the size
             of optimizer's group`` (torch's texts); a saved parameter name that differs
-            from this optimizer's at its position (naming both); state for an id no group lists; a
-            buffer this optimizer does not keep; a buffer whose shape differs from the
-            parameter's; torch's message for an invalid hyperparameter. Raised before
-            anything changes: the optimizer is untouched after a failed load.
+            from this optimizer's at its position (naming both); an id listed twice, or
+            state for an id no group lists; an entry without ``step`` or a buffer this
+            optimizer keeps, with a buffer it does not keep, a buffer of another shape or
+            dtype, a negative or fractional ``step`` (each naming the parameter's id,
+            name and the key); a group with another optimizer's hyperparameter, without
+            one of this optimizer's numeric ones, or with another value of a constant
+            (AdamW's ``decoupled_weight_decay``); torch's message for an invalid
+            hyperparameter. Raised before anything changes: the optimizer is untouched
+            after a failed load.
         """
         saved_groups, saved_state = read_state_dict(state_dict)
         if len(saved_groups) != len(self.param_groups):
@@ -973,28 +1083,21 @@ class Optimizer:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
+        completed = []
         for g, saved in enumerate(saved_groups):
             check_names(g, saved, self.param_groups[g].get("param_names"))
-        id_map = {sid: (g, j) for g, s in enumerate(saved_groups) for j, sid in enumerate(s["params"])}
-        entries: list[dict[int, tuple[Any, Mapping[str, Any]]]] = [{} for _ in saved_groups]
-        for key, value in saved_state.items():
-            if key not in id_map:
-                raise ValueError(
-                    f"loaded state dict has state for parameter id {key!r}, which no parameter group lists"
-                )
-            g, j = id_map[key]
-            entries[g][j] = (key, value)
+            completed.append(self._completed(g, saved))
+        entries = group_entries(saved_groups, saved_state)
         factory = type(self).factory
         new = []
         for g, group in enumerate(self.param_groups):
             config = {k: v for k, v in group.items() if k != "params"}
-            saved = {k: v for k, v in saved_groups[g].items() if k != "params"}
-            config.update({k: _as_tuples(v, config.get(k)) for k, v in saved.items()})
+            config.update({k: _as_tuples(v, config.get(k)) for k, v in completed[g].items()})
             candidate = factory(**{k: config[k] for k in self._factory_params})
             fresh = candidate.init(self._params[g])
             same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
             tx = self._txs[g] if same else _shared(candidate, fresh, config)
-            state = self._state_from_entries(g, fresh, entries[g])
+            state = self._state_from_entries(g, fresh, entries[g], config.get("param_names"))
             new.append((g, tx, state, config))
         for g, tx, state, config in new:
             self._txs[g], self._states[g] = tx, state
@@ -1002,50 +1105,94 @@ class Optimizer:
             self._applied[g] = {k: config[k] for k in self._factory_params}
             self._numeric[g] = frozenset(state.hparams)
 
-    def _state_from_entries(self, g: int, fresh: TorchState, entries: Mapping[int, tuple]) -> TorchState:
-        algorithm = self._algorithms[g]
-        names = [n for n in fresh.buffers if n != "step"]
+    def _completed(self, g: int, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """A saved group (without ``params``), checked and completed as torch completes it.
+
+        torch's ``__setstate__`` gives a group that lacks a flag (``maximize``, ``foreach``,
+        ``amsgrad``, …: dicts of older versions) the flag's default; so does this. A
+        missing numeric hyperparameter, another class's hyperparameter or another value
+        of a constant (AdamW's ``decoupled_weight_decay``) means another optimizer's dict.
+        """
+        cls = type(self).__name__
+        check_foreign_keys(cls, g, saved, set(self.defaults))
+        group = {k: v for k, v in saved.items() if k != "params"}
+        for k, value in self.defaults.items():
+            if k not in self._factory_params:  # a constant entry (group_extras)
+                if k in group and not _same(group[k], value):
+                    raise ValueError(
+                        f"loaded state dict: parameter group {g} has {k}={group[k]!r}, but "
+                        f"{cls}'s is always {value!r}: is it another optimizer's state dict?"
+                    )
+                group.setdefault(k, value)
+            elif k not in group:
+                default = self._factory_defaults[k]
+                if not (default is None or isinstance(default, bool)):
+                    raise ValueError(
+                        f"loaded state dict: parameter group {g} lacks {k!r}, which {cls} keeps in "
+                        "every group: is it another optimizer's state dict?"
+                    )
+                group[k] = default
+        return group
+
+    def _state_from_entries(
+        self, g: int, fresh: TorchState, entries: Mapping[int, tuple], names: Sequence[str] | None
+    ) -> TorchState:
+        """Group ``g``'s state from its saved entries, every entry checked against ``fresh``."""
+        algorithm, cls = self._algorithms[g], type(self).__name__
+        kept = [n for n in fresh.buffers if n != "step"]
         pdef = jax.tree.structure(self._params[g])
-        bufs = {n: pdef.flatten_up_to(fresh.buffers[n]) for n in names}
+        bufs = {n: pdef.flatten_up_to(fresh.buffers[n]) for n in kept}
+        param_dtypes = [p.dtype for p in jax.tree.leaves(self._params[g])]
         steps = [0] * self._sizes[g]
         for j, (key, entry) in entries.items():
-            loaded = False
-            for name, raw in entry.items():
-                value = raw if raw is None else _to_numpy(raw)
-                if name == "step":
-                    steps[j] = round(float(np.asarray(value)))
-                    continue
-                if value is None:
-                    continue
-                if name not in bufs:
+            who = f"parameter {key!r}" + ("" if names is None else f" ({names[j]!r})")
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"loaded state dict: the state of {who} must be a dict, got {entry!r}")
+            required = [n for n in kept if bufs[n][j] is not None]
+            expected = ["step"] * (algorithm.torch_step is not None) + required
+            for name, value in entry.items():
+                if name == "step" and algorithm.torch_step is not None:
+                    steps[j] = whole_count(value, who)
+                elif name not in required and value is not None:
+                    where = "with these settings" if name not in bufs else "for a parameter of this shape"
                     raise ValueError(
-                        f"loaded state dict: parameter {key!r} has state {name!r}, which "
-                        f"{type(self).__name__} with these settings does not keep (it keeps: "
-                        f"{', '.join(names) or 'nothing'})"
+                        f"loaded state dict: {who} has state {name!r}, which {cls} {where} does "
+                        f"not keep (it keeps: {', '.join(expected) or 'nothing'})"
                     )
-                ref = bufs[name][j]
-                if ref is None:
-                    raise ValueError(
-                        f"loaded state dict: parameter {key!r} has state {name!r}, which "
-                        f"{type(self).__name__} does not keep for a parameter of this shape"
-                    )
-                value = np.asarray(value)
+            if algorithm.torch_step is None and all(n in entry and entry[n] is None for n in required):
+                continue  # torch's SGD with momentum_buffer=None (momentum was 0): not stepped
+            missing = [n for n in expected if entry.get(n) is None]
+            if missing:
+                raise ValueError(
+                    f"loaded state dict: {who} has no {missing[0]!r}; {cls} with these settings "
+                    f"keeps {', '.join(expected)} for every parameter with state"
+                )
+            for name in required:
+                ref, value = bufs[name][j], _to_numpy(entry[name])
                 if value.shape != ref.shape:
                     raise ValueError(
-                        f"loaded state dict: {name} of parameter {key!r} has shape {value.shape}, "
-                        f"but the parameter's is {ref.shape}"
+                        f"loaded state dict: {name} of {who} has shape {value.shape}, but "
+                        f"{cls} keeps it with shape {ref.shape}"
+                    )
+                # a buffer of the parameter's dtype must have it (torch's state always does);
+                # scalars torch keeps in its default dtype (eta, mu, mu_product) are cast
+                exact = ref.dtype == param_dtypes[j]
+                if (exact and value.dtype != ref.dtype) or not jnp.issubdtype(value.dtype, jnp.floating):
+                    raise ValueError(
+                        f"loaded state dict: {name} of {who} has dtype {value.dtype}, but {cls} "
+                        f"keeps it in {ref.dtype}" + (" (the parameter's dtype)" if exact else "")
                     )
                 bufs[name][j] = jnp.asarray(value, dtype=ref.dtype)
-                loaded = True
-            if algorithm.torch_step is None and loaded:
-                steps[j] = max(steps[j], 1)
+            if algorithm.torch_step is None:
+                steps[j] = 1  # all SGD's rule reads: stepped before
         buffers = {"step": pdef.unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
-        for n in names:
+        for n in kept:
             buffers[n] = pdef.unflatten(bufs[n])
         count = jnp.asarray(max(steps, default=0), jnp.int32)
         return TorchState(fresh.hparams, count, {n: buffers[n] for n in fresh.buffers})
 
     def __getstate__(self) -> dict[str, Any]:
+        self._sync_groups()  # pending param_groups edits are part of the state
         # the transformations are closures: rebuilt from the applied configuration on load
         state = dict(self.__dict__)
         del state["_txs"]
