@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -78,6 +79,170 @@ def _run_if(pred: jax.Array, fn: Any, carry: PyTree) -> PyTree:
     return jax.lax.while_loop(lambda c: c[0], body, (pred, carry))[1]
 
 
+# ------------------------------------------------------------------------ the window policy
+
+
+class _Call(NamedTuple):
+    """The window policy's decisions for one call (``_Window.open``).
+
+    Attributes:
+      fresh: this call opens a window (it overwrites the sum), a bool scalar.
+      stepping: it closes one (the optimizer steps on the reduced sum), a bool scalar.
+      present: which parameters have a gradient in this call, a bool vector in leaf
+        order, or None when every one has (no ``None`` leaf, no ``grad_mask``).
+      seen: which parameters have a gradient in the window so far, a bool vector.
+      all_seen: static: every parameter has one (``seen`` is all True).
+      mask: the call's ``grad_mask``, one flag per leaf, or None.
+    """
+
+    fresh: jax.Array
+    stepping: jax.Array
+    present: jax.Array | None
+    seen: jax.Array
+    all_seen: bool
+    mask: list | None
+
+
+class _Window:
+    """When a window opens and closes, and how its gradients are reduced.
+
+    Every execution strategy below shares it: ``open`` decides a call's place in the
+    window, ``add`` puts the call's gradient into the accumulator (a window opens by
+    overwriting the sum, so one in-place pass per call is all a micro-step costs and a
+    step never writes zeros back), ``reduce`` turns the sum into what the step reads on
+    the closing call, ``close`` writes the counters.
+    """
+
+    def __init__(self, every: int, reduction: str):
+        self.every = every
+        self.reduction = reduction
+
+    def open(self, state: GradAccumulateState, grads: PyTree, mask: list | None) -> _Call:
+        fresh = state.mini_step == 0
+        stepping = state.mini_step + 1 >= self.every
+        # which parameters have a gradient in this call, one bool per leaf: static (None
+        # leaves), with a grad_mask one operation for all; None when every one has
+        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
+        if mask is None:
+            present = None if all(present) else jnp.asarray(present, bool)
+        else:
+            present = jnp.asarray(present, bool) & jnp.stack([jnp.asarray(m, bool) for m in mask])
+        if present is None:
+            seen, all_seen = jnp.ones(state.has_grad.shape, bool), True
+        else:
+            seen, all_seen = jnp.where(fresh, present, state.has_grad | present), False
+        return _Call(fresh, stepping, present, seen, all_seen, mask)
+
+    def add(self, grads: PyTree, acc: PyTree, call: _Call) -> PyTree:
+        """The accumulator after this call's gradient is added in (or, on a window's
+        first call, written over the previous sum); a ``None`` or masked-off gradient
+        adds nothing."""
+        fresh = call.fresh
+
+        def add(g, a, m):
+            kept = jnp.where(fresh, jnp.zeros_like(a), a)
+            if g is None:
+                return kept
+            g = g.astype(a.dtype)
+            added = jnp.where(fresh, g, a + g)
+            # grad_mask off: as if the gradient were None
+            return added if m is None else jnp.where(m, added, kept)
+
+        return _map_masked(add, grads, acc, call.mask)
+
+    def reduce(self, acc: PyTree, call: _Call) -> PyTree:
+        """What the closing call steps on: the sum, or for ``"mean"`` the sum over
+        ``every``, written over the sum in the pass that adds the last gradient in (a
+        kernel that cannot fuse the division reads it from there, and no
+        parameter-sized temporary exists)."""
+        if self.reduction == "mean":
+            return jax.tree.map(lambda a: jnp.where(call.stepping, a / self.every, a), acc)
+        return acc
+
+    def own(self, grads: PyTree, acc: PyTree, call: _Call) -> PyTree:
+        """``every == 1``: the call's own gradient is the window's sum (None, masked
+        off: zeros)."""
+
+        def own(g, a, m):
+            if g is None:
+                return jnp.zeros_like(a)
+            return g.astype(a.dtype) if m is None else jnp.where(m, g.astype(a.dtype), 0)
+
+        return _map_masked(own, grads, acc, call.mask)
+
+    def fused_window(self, acc: PyTree, call: _Call) -> Window:
+        """The same decisions as the kernels take them (``_fused.Window``)."""
+        return Window(
+            acc, call.fresh, call.stepping, self.every if self.reduction == "mean" else None, call.present
+        )
+
+    def close(
+        self, state: GradAccumulateState, call: _Call, acc: PyTree
+    ) -> Callable[[PyTree], GradAccumulateState]:
+        """The counters after this call; returns ``inner_state -> GradAccumulateState``."""
+        mini = jnp.where(call.stepping, 0, state.mini_step + 1).astype(jnp.int32)
+        count = state.gradient_step + call.stepping.astype(jnp.int32)
+        return lambda inner: GradAccumulateState(mini, count, acc, call.seen, inner)
+
+
+# ----------------------------------------------------------------- the execution strategies
+# Each runs one call under the policy and returns ``(carry, acc)``; ``carry`` is what the
+# inner step moves (``(params, inner_state)`` or ``(updates, inner_state)``), ``step(carry,
+# reduced, call) -> carry`` runs the inner optimizer on the reduced gradient (cast to the
+# parameters' dtypes).
+
+
+def _as_param_dtype(total: PyTree, params: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, p: a.astype(p.dtype), total, params)
+
+
+def _direct(policy, call, grads, acc, carry, step, params):
+    """``every == 1``: every call steps on its own gradient; no branch, and no pass over
+    the accumulator (it stays as it is)."""
+    return step(carry, _as_param_dtype(policy.own(grads, acc, call), params), call), acc
+
+
+def _looped(policy, call, grads, acc, carry, step, params, *, loop):
+    """The jitted path: the add pass (the reduction written in it on the closing call),
+    then the inner step where the call closes the window. ``loop``: in a 0/1-trip while
+    loop (this package's optimizers, ``_run_if``), else in a ``lax.cond`` (an optax
+    transformation keeps a few scalars, not one per parameter: a conditional costs no
+    per-parameter copies there, and XLA simplifies its arithmetic inside a conditional
+    as before; a loop body can round differently in the last bit)."""
+    acc = policy.reduce(policy.add(grads, acc, call), call)
+
+    def fn(c):
+        return step(c, _as_param_dtype(acc, params), call)
+
+    if loop:
+        return _run_if(call.stepping, fn, carry), acc
+    return jax.lax.cond(call.stepping, fn, lambda c: c, carry), acc
+
+
+def _fused(policy, call, grads, acc, carry, window_step, treedef):
+    """A ``fused=True`` optimizer's window kernel: one kernel call per dtype adds the
+    gradient in, or on the closing call reduces the sum and steps on it in the same pass;
+    no loop or conditional around it."""
+    params, inner = carry
+    n = treedef.num_leaves
+    active = treedef.unflatten(
+        [call.stepping if call.all_seen else call.stepping & call.seen[i] for i in range(n)]
+    )
+    params, acc, inner = window_step(params, grads, inner, policy.fused_window(acc, call), active)
+    return (params, inner), acc
+
+
+def _fused_or_looped(policy, call, grads, acc, carry, step, params, window_step):
+    """``_fused`` on the CPU, ``_looped`` elsewhere (``jax.lax.platform_dependent``)."""
+    treedef = jax.tree.structure(params)
+    return jax.lax.platform_dependent(
+        carry,
+        acc,
+        cpu=lambda c, a: _fused(policy, call, grads, a, c, window_step, treedef),
+        default=lambda c, a: _looped(policy, call, grads, a, c, step, params, loop=True),
+    )
+
+
 def grad_accumulate(
     tx: optax.GradientTransformation, every: int, reduction: str = "mean"
 ) -> optax.GradientTransformationExtraArgs:
@@ -151,9 +316,9 @@ def grad_accumulate(
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     every = int(every)
+    policy = _Window(every, reduction)
     inner_step = getattr(tx.update, STEP_ATTR, None)
-    # fused=True inside: a call is one kernel call per dtype (add the gradient in, or on
-    # the closing call step on the mean in the same pass); no conditional, no loop
+    # fused=True inside: a call is one kernel call per dtype (``_fused``)
     window_step = getattr(tx.update, WINDOW_ATTR, None) if every > 1 else None
     extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
@@ -167,119 +332,29 @@ def grad_accumulate(
             inner_state=tx.init(params),
         )
 
-    def present_of(grads, mask):
-        # which parameters have a gradient in this call, one bool per leaf: static (None
-        # leaves), with a grad_mask one operation for all; None when every one has
-        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
-        if mask is None:
-            return None if all(present) else jnp.asarray(present, bool)
-        return jnp.asarray(present, bool) & jnp.stack([jnp.asarray(m, bool) for m in mask])
-
-    def flags(state, fresh, present):
-        # which parameters have a gradient in the window so far, and whether all have
-        if present is None:
-            return jnp.ones(state.has_grad.shape, bool), True
-        return jnp.where(fresh, present, state.has_grad | present), False
-
-    def add_in(grads, acc, fresh, mask):
-        # A window opens (mini_step == 0) by overwriting the sum, so one in-place pass per
-        # call is all a micro-step costs, and the step never has to write zeros back.
-        def add(g, a, m):
-            kept = jnp.where(fresh, jnp.zeros_like(a), a)
-            if g is None:
-                return kept
-            g = g.astype(a.dtype)
-            added = jnp.where(fresh, g, a + g)
-            # grad_mask off: as if the gradient were None
-            return added if m is None else jnp.where(m, added, kept)
-
-        return _map_masked(add, grads, acc, mask)
-
-    def given(grads, acc, mask):
-        # every == 1: the call's own gradient is the window's sum (None, masked: zeros)
-        def own(g, a, m):
-            if g is None:
-                return jnp.zeros_like(a)
-            return g.astype(a.dtype) if m is None else jnp.where(m, g.astype(a.dtype), 0)
-
-        return _map_masked(own, grads, acc, mask)
-
-    def as_param_dtype(total, params):
-        return jax.tree.map(lambda a, p: a.astype(p.dtype), total, params)
-
-    def inner_kwargs(seen, all_seen, params, extra_args):
+    def inner_kwargs(call, params, extra_args):
         if not extra_ok:
             return {}
         kwargs = {k: v for k, v in extra_args.items() if k != "grad_mask"}
-        if not all_seen:
+        if not call.all_seen:
             # a call with a gradient for every parameter needs no mask (one of all True
             # would select the same values, at the price of a select per buffer)
             treedef = jax.tree.structure(params)
-            kwargs["grad_mask"] = treedef.unflatten([seen[i] for i in range(treedef.num_leaves)])
+            kwargs["grad_mask"] = treedef.unflatten([call.seen[i] for i in range(treedef.num_leaves)])
         return kwargs
 
-    def run(grads, state, params, carry, step, mask, fused=None):
-        """Add the gradient in; on the window's closing call, ``step`` on the mean.
-        ``mask``: the call's ``grad_mask``, one flag per leaf, or None.
-        ``fused(carry, acc, fresh, stepping, seen, all_seen, present) -> (carry, acc)``:
-        the same as one kernel call, taken on the CPU."""
-        fresh = state.mini_step == 0
-        stepping = state.mini_step + 1 >= every
-        present = present_of(grads, mask)
-        seen, all_seen = flags(state, fresh, present)
-
-        def jitted(carry, acc):
-            acc = add_in(grads, acc, fresh, mask)
-            if reduction == "mean":
-                # the closing call overwrites the sum with the mean, in the pass that adds
-                # the last gradient in: a kernel that cannot fuse the division reads it
-                # from there, and no parameter-sized temporary exists
-                acc = jax.tree.map(lambda a: jnp.where(stepping, a / every, a), acc)
-
-            def fn(c):
-                return step(c, as_param_dtype(acc, params), seen, all_seen)
-
-            if inner_step is not None:
-                return _run_if(stepping, fn, carry), acc
-            # an optax transformation keeps a few scalars, not one per parameter: a
-            # conditional costs no per-parameter copies there, and XLA simplifies its
-            # arithmetic inside a conditional as before (a loop body can round
-            # differently in the last bit)
-            return jax.lax.cond(stepping, fn, lambda c: c, carry), acc
-
+    def run(grads, state, params, carry, step, mask, window=None):
+        """One call: the policy's decisions, then the strategy that executes them.
+        ``window``: the inner optimizer's window kernel, where every parameter can take it."""
+        call = policy.open(state, grads, mask)
+        acc = state.acc_grads
         if every == 1:
-            # every call steps: no branch, and no pass over the accumulator
-            acc = state.acc_grads
-            carry = step(carry, as_param_dtype(given(grads, acc, mask), params), seen, all_seen)
-        elif fused is not None:
-            carry, acc = jax.lax.platform_dependent(
-                carry,
-                state.acc_grads,
-                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen, present),
-                default=jitted,
-            )
+            carry, acc = _direct(policy, call, grads, acc, carry, step, params)
+        elif window is not None:
+            carry, acc = _fused_or_looped(policy, call, grads, acc, carry, step, params, window)
         else:
-            carry, acc = jitted(carry, state.acc_grads)
-        mini = jnp.where(stepping, 0, state.mini_step + 1).astype(jnp.int32)
-        count = state.gradient_step + stepping.astype(jnp.int32)
-        return carry, lambda inner: GradAccumulateState(mini, count, acc, seen, inner)
-
-    def fused_window(grads, params):
-        """The kernel path of ``step_fn``, where every parameter can take it."""
-        if window_step is None or not window_ready(jax.tree.leaves(params)):
-            return None
-        treedef = jax.tree.structure(params)
-
-        def fused(carry, acc, fresh, stepping, seen, all_seen, present):
-            params, inner = carry
-            active = treedef.unflatten(
-                [stepping if all_seen else stepping & seen[i] for i in range(treedef.num_leaves)]
-            )
-            window = Window(acc, fresh, stepping, every if reduction == "mean" else None, present)
-            params, acc, inner = window_step(params, grads, inner, window, active)
-            return (params, inner), acc
-
-        return fused
+            carry, acc = _looped(policy, call, grads, acc, carry, step, params, loop=inner_step is not None)
+        return carry, policy.close(state, call, acc)
 
     def call_mask(params, extra_args):
         # a grad_mask leaf that is off: that parameter has no gradient in this call
@@ -292,13 +367,12 @@ def grad_accumulate(
         check_like_params(params, grads)
         mask = call_mask(params, extra_args)
 
-        def step(carry, mean, seen, all_seen):
+        def step(carry, reduced, call):
             _, inner = carry
             if extra_ok:
-                kwargs = inner_kwargs(seen, all_seen, params, extra_args)
-                updates, inner = tx.update(mean, inner, params, **kwargs)
+                updates, inner = tx.update(reduced, inner, params, **inner_kwargs(call, params, extra_args))
             else:
-                updates, inner = tx.update(mean, inner, params)
+                updates, inner = tx.update(reduced, inner, params)
             updates = jax.tree.map(
                 lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
             )
@@ -313,15 +387,17 @@ def grad_accumulate(
         check_like_params(params, grads)
         mask = call_mask(params, extra_args)
 
-        def step(carry, mean, seen, all_seen):
+        def step(carry, reduced, call):
             params, inner = carry
-            kwargs = inner_kwargs(seen, all_seen, params, extra_args)
+            kwargs = inner_kwargs(call, params, extra_args)
             if inner_step is not None:
-                return inner_step(params, mean, inner, **kwargs)
-            return _step(tx, params, mean, inner, **kwargs)
+                return inner_step(params, reduced, inner, **kwargs)
+            return _step(tx, params, reduced, inner, **kwargs)
 
-        carry = (params, state.inner_state)
-        (params, inner), new_state = run(grads, state, params, carry, step, mask, fused_window(grads, params))
+        window = window_step if window_step is not None and window_ready(jax.tree.leaves(params)) else None
+        (params, inner), new_state = run(
+            grads, state, params, (params, state.inner_state), step, mask, window
+        )
         return params, new_state(inner)
 
     setattr(update, STEP_ATTR, step_fn)
