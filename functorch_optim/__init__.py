@@ -4,7 +4,7 @@
 """
 
 from functorch_optim import schedules
-from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
+from functorch_optim._accumulate import GradAccumulateState, flush, grad_accumulate
 from functorch_optim._adadelta import adadelta
 from functorch_optim._adafactor import adafactor
 from functorch_optim._adagrad import adagrad
@@ -80,6 +80,7 @@ __all__ = [
     "clip_grad_value_transform",
     "clip_grads_with_norm",
     "data_parallel_grad",
+    "flush",
     "get_ema_avg_fn",
     "get_ema_multi_avg_fn",
     "get_hparams",
