@@ -46,6 +46,7 @@ from functorch_optim._sharding import data_parallel_grad, state_shardings
 # the torch.optim-shaped facade, a subpackage (imported last: it builds on the above)
 from functorch_optim import optim  # isort: skip
 from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
+from functorch_optim._microbatch import microbatch_grad
 from functorch_optim._muon import muon
 from functorch_optim._sparse_adam import sparse_adam
 
@@ -91,6 +92,7 @@ __all__ = [
     "jit_step",
     "lbfgs",
     "lbfgs_step",
+    "microbatch_grad",
     "muon",
     "nadam",
     "optim",
