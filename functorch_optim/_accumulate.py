@@ -159,7 +159,7 @@ class _Window:
         stepping = state.mini_step + 1 >= self.every
         # which parameters have a gradient in this call, one bool per leaf: static (None
         # leaves), with a grad_mask one operation for all; None when every one has
-        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
+        present = [g is not None for g in jax.tree.structure(state.acc_grads).flatten_up_to(grads)]
         if mask is None:
             present = None if all(present) else jnp.asarray(present, bool)
         else:
@@ -392,6 +392,13 @@ def grad_accumulate(
       >>> params["w"].tolist(), bool(state.stepped)
       ([-2.0], True)
 
+    Gradient clipping goes *inside*: ``grad_accumulate(optax.chain(
+    clip_grad_norm_transform(max_norm), tx), every=k)``. torch clips once per optimizer
+    step, the gradient accumulated over the ``k`` ``backward()`` calls (``clip_grad_norm_``
+    between the last ``backward()`` and ``step()``); the chain inside runs only on the
+    closing call, on the window's mean. A clip outside would scale each micro-batch's
+    gradient by its own norm, which is not torch's run (and not one large batch's).
+
     Note:
       A parameter whose gradient is ``None`` in every call of a window is skipped by the
       step (its value and, for this package's optimizers, its state stay unchanged), as
@@ -421,7 +428,7 @@ def grad_accumulate(
     extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def init(params: PyTree) -> GradAccumulateState:
-        check_params(params)
+        check_params(params, allow_empty=True)
         acc = jax.tree.map(lambda p: jnp.zeros(p.shape, _acc_dtype(p.dtype)), params)
         n = len(jax.tree.leaves(params))
         weight_sum = None
@@ -478,7 +485,10 @@ def grad_accumulate(
             else:
                 updates, inner = tx.update(reduced, inner, params)
             updates = jax.tree.map(
-                lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
+                lambda u, p: u if u is not None or p is None else jnp.zeros_like(p),
+                updates,
+                params,
+                is_leaf=is_none,
             )
             return updates, inner
 

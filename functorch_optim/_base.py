@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._hyperparams import HParams, Validator, as_hparam, to_python
+from functorch_optim._hyperparams import HParams, Validator, as_hparam, has_tracer, to_python
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
@@ -141,15 +141,25 @@ def make_optimizer(
     (torch's chainable form). A tuple hyperparameter (``betas``) may hold schedules
     among its entries; each entry is driven on its own.
 
+    A numeric hyperparameter given as a JAX array (concrete or traced) is an input of
+    this transformation rather than state: every ``update`` steps with the value the
+    transformation was built with and records it in the state. That is the contract of
+    ``optax.inject_hyperparams``, which rebuilds the transformation with the current
+    values before each update. ``set_hparams`` refuses such a name (give a Python number
+    to keep the value in the state instead). Construction-time checks are skipped for
+    traced values.
+
     Raises:
       ValueError: torch's message for an invalid hyperparameter, raised here, at
         construction, before any state exists.
     """
     schedules = {k: _driver(v) for k, v in hparams.items() if _is_scheduled(v)}
+    injected = {k: v for k, v in hparams.items() if isinstance(v, jax.Array)}
     first, schedule_state = dict(hparams), {}
     for k, driver in schedules.items():
         first[k], schedule_state[k] = driver.init_schedule()
-    algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
+    if not has_tracer(first):
+        algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
     for k, driver in schedules.items():
         check = getattr(driver, "check_hparams", None)
         if check is not None:
@@ -157,7 +167,7 @@ def make_optimizer(
     static = dict(static)
 
     def init(params: PyTree) -> TorchState:
-        check_params(params)
+        check_params(params, allow_empty=True)
         step = jax.tree.map(lambda p: jnp.zeros((), jnp.int32), params)
         leaf_buffers = jax.tree.map(lambda p: algorithm.init_leaf(p, static), params)
         names = _buffer_names(leaf_buffers, params)
@@ -171,7 +181,12 @@ def make_optimizer(
         sched_state = jax.tree.map(lambda x: jnp.array(x, copy=True), schedule_state)
         return TorchState(
             HParams(
-                values, algorithm.name, algorithm.validate, static, tuple(sorted(schedules)), sched_state
+                values,
+                algorithm.name,
+                algorithm.validate,
+                static,
+                tuple(sorted({*schedules, *injected})),
+                sched_state,
             ),
             jnp.zeros((), jnp.int32),
             buffers,
@@ -206,10 +221,19 @@ def make_optimizer(
 
         return hparams_of
 
-    def advance(state, hp, stepping=None):
+    def current(state):
+        # the values this step uses: the state's, with the injected ones replaced
+        hparams = state.hparams
+        if injected:
+            hparams = hparams.replace(
+                **{k: as_hparam(v, _hparam_dtype(hparams[k])) for k, v in injected.items()}
+            )
+        return hparams
+
+    def advance(state, hparams, stepping=None):
         # the step count and the schedules move by one step (only where ``stepping``)
         count = state.count + 1
-        hparams = state.hparams
+        hp = dict(hparams)
         if schedules:
             values, sched_state = {}, dict(hparams.schedule_state)
             for k, driver in schedules.items():
@@ -220,6 +244,11 @@ def make_optimizer(
                 values = {k: jax.tree.map(keep, v, hp[k]) for k, v in values.items()}
                 sched_state = jax.tree.map(keep, sched_state, dict(hparams.schedule_state))
             hparams = hparams.replace(**values).with_schedule_state(sched_state)
+        if stepping is not None and injected:
+            keep = lambda new, old: jnp.where(stepping, new, old)
+            hparams = hparams.replace(
+                **{k: jax.tree.map(keep, hparams[k], state.hparams[k]) for k in injected}
+            )
         if stepping is not None:
             count = jnp.where(stepping, count, state.count)
         return hparams, count
@@ -232,7 +261,8 @@ def make_optimizer(
         del extra_args
         check_like_params(params, grads)
         treedef, leaves, olds = unpack(params, grads, state, grad_mask)
-        hp = dict(state.hparams)
+        hparams = current(state)
+        hp = dict(hparams)
         hparams_of = prepared(hp)
         one = _runtime_one(state.count)
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
@@ -243,7 +273,7 @@ def make_optimizer(
         results = dict(zip(stepping, outs))
         # a None gradient: nothing moves
         new = [results.get(i, (leaf[0], olds[i])) for i, leaf in enumerate(leaves)]
-        hparams, count = advance(state, hp)
+        hparams, count = advance(state, hparams)
         return rebuild(treedef, list(state.buffers), [p for p, _ in new], [b for _, b in new], hparams, count)
 
     def window_step(params, grads, state, window, active):
@@ -253,10 +283,11 @@ def make_optimizer(
         Returns ``(params, acc, state)``; on a call that does not step, params, state,
         counters and schedules keep their bits."""
         treedef, leaves, _ = unpack(params, grads, state, active)
-        hp = dict(state.hparams)
+        hparams = current(state)
+        hp = dict(hparams)
         window = window._replace(accs=treedef.flatten_up_to(window.accs))
         outs = algorithm.fused_window(leaves, window, prepared(hp), static, _runtime_one(state.count))
-        hparams, count = advance(state, hp, window.stepping)
+        hparams, count = advance(state, hparams, window.stepping)
         new_params, new_state = rebuild(
             treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count
         )
@@ -323,6 +354,30 @@ def _is_scheduled(value: Any) -> bool:
     if isinstance(value, tuple | list):
         return any(_is_scheduled(v) for v in value)
     return callable(value) or hasattr(value, "init_schedule")
+
+
+def schedule_key(value: Any) -> Any:
+    """Hashable, equal for two hyperparameter values whose schedules step identically: a
+    schedule's ``step_key`` (``functorch_optim.schedules``), per entry for a tuple;
+    ``None`` for a value without a schedule (its value is state). Two transformations
+    of one algorithm whose states have one structure and whose hyperparameters have
+    equal keys compute the same step.
+
+    Raises:
+      TypeError: the value holds user code (a plain ``count -> value`` function, a
+        schedule built on a lambda): it may read values that change, so it is not
+        compared; or it is a JAX array, an input the transformation holds (see
+        ``make_optimizer``).
+    """
+    if isinstance(value, jax.Array):
+        raise TypeError("a hyperparameter given as a JAX array is in the transformation: not compared")
+    if not _is_scheduled(value):
+        return None
+    if isinstance(value, tuple | list):
+        return tuple(schedule_key(v) for v in value)
+    if not hasattr(value, "step_key"):
+        raise TypeError(f"{value!r} is a plain function schedule: not compared by value")
+    return value.step_key
 
 
 def _hparam_dtype(value: Any) -> Any:

@@ -6,9 +6,10 @@ with ``step()``, ``get_last_lr()``, ``state_dict()`` / ``load_state_dict()``, as
 dicts whose ``"lr"`` (and ``"momentum"`` or ``"betas"``) entries can be read and assigned
 and take effect on the next step (``functorch_optim.optim``'s facade). Each ``step()``
 reads the current values from the groups, runs torch's chainable step as one jitted pure
-function (compiled once per scheduler) and writes the new values back as Python floats,
-so the optimizer never recompiles. ``SequentialLR`` and ``ChainedScheduler`` step their
-schedulers, as torch's do.
+function (compiled once per scheduler configuration: schedulers of equal arguments
+share it, whatever the learning rates) and writes the new values back as Python
+floats, so the optimizer never recompiles. ``SequentialLR`` and ``ChainedScheduler``
+step their schedulers, as torch's do.
 
 ``state_dict()`` is torch's (Python numbers and lists under torch's attribute names) and
 ``load_state_dict`` takes torch's, so a run moves between torch and JAX mid-schedule;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +36,7 @@ from functorch_optim._hyperparams import hparam_dtype
 from functorch_optim.schedules._composite import _lambda_schedule
 from functorch_optim.schedules._composite import _LambdaLR as _LambdaLRSpec
 from functorch_optim.schedules._composite import _MultiplicativeLR as _MultiplicativeLRSpec
+from functorch_optim.schedules._core import _ByValue
 
 __all__ = [
     "SWALR",
@@ -54,6 +57,18 @@ __all__ = [
     "SequentialLR",
     "StepLR",
 ]
+
+
+# The jitted steps, module level with the schedule a static argument compared by value
+# (``schedules._ByValue``): one compiled step per configuration, across instances.
+@functools.partial(jax.jit, static_argnums=0)
+def _spec_step(spec: _ByValue, group: dict, state: dict) -> tuple[dict, dict]:
+    return spec.obj.step(group, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _plateau_update(plateau: _ByValue, lr: Any, state: Any, metric: Any) -> tuple[Any, Any]:
+    return plateau.obj.update(lr, state, metric)
 
 
 def _groups(optimizer: Any) -> list[dict]:
@@ -165,8 +180,12 @@ class LRScheduler:
         self._write()
 
     def _make_step_fn(self) -> Callable:
-        # eager specs (the lambdas) call the user's Python code with Python ints, outside jit
-        return self._spec.step if self._spec.eager else jax.jit(self._spec.step)
+        # eager specs (the lambdas) call the user's Python code with Python ints, outside
+        # jit; the others share one compiled step per configuration (``_spec_step``),
+        # keyed by the spec's attributes as they are now
+        if self._spec.eager:
+            return self._spec.step
+        return functools.partial(_spec_step, _ByValue(self._spec))
 
     def _group_key(self, key: str) -> str:
         return self._momentum_key if key == "momentum" else key
@@ -451,7 +470,11 @@ class SWALR(LRScheduler):
 
 
 class CyclicLR(LRScheduler):
-    """``torch.optim.lr_scheduler.CyclicLR`` (see ``schedules.cyclic_lr``); cycles momentum/beta1."""
+    """``torch.optim.lr_scheduler.CyclicLR`` (see ``schedules.cyclic_lr``); cycles momentum/beta1.
+
+    A custom ``scale_fn`` is called eagerly with a Python int, as torch does (any Python
+    code works, as for :class:`LambdaLR`).
+    """
 
     def __init__(
         self,
@@ -474,6 +497,7 @@ class CyclicLR(LRScheduler):
             cycle_momentum, base_momentum, max_momentum, lr=_lrs(optimizer),
         )  # fmt: skip
         spec = sched._spec
+        spec.eager = scale_fn is not None  # torch calls scale_fn with a Python number
         constants = {
             "total_size": spec.total_size, "step_ratio": spec.step_ratio, "mode": mode, "gamma": gamma,
             "scale_mode": spec.scale_mode, "cycle_momentum": cycle_momentum,
@@ -754,7 +778,7 @@ class ReduceLROnPlateau:
             _lrs(optimizer), mode, factor, patience, threshold, threshold_mode, cooldown, min_lr, eps
         )
         self._state = self._plateau.init_state()
-        self._update = jax.jit(self._plateau.update)
+        self._static = _ByValue(self._plateau, self._plateau.update_key)
         self._last_lr = _lrs(optimizer)
         per_group = isinstance(min_lr, list | tuple)
         self._constants = {
@@ -784,7 +808,8 @@ class ReduceLROnPlateau:
 
     def step(self, metrics: Any) -> None:
         """torch's ``step(metrics)``: update the groups' lrs from the monitored metric."""
-        lrs, self._state = self._update(_read(self.optimizer, "lr"), self._state, float(metrics))
+        lr = _read(self.optimizer, "lr")
+        lrs, self._state = _plateau_update(self._static, lr, self._state, float(metrics))
         new = np.asarray(lrs).tolist()
         for group, old, lr in zip(_groups(self.optimizer), _lrs(self.optimizer), new, strict=True):
             if lr != old:

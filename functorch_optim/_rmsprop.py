@@ -146,7 +146,8 @@ def rmsprop(
       eps: term :math:`\epsilon` added to the square root (outside it), default 1e-8.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
       momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
-        at all; a momentum set later through ``set_hparams`` must then stay 0.
+        at all; a momentum set later through ``set_hparams`` must then stay 0. A schedule
+        or a JAX array (``optax.inject_hyperparams``) always keeps the buffer.
       centered: normalize by an estimate of the gradient's variance, default False
         (static; adds the ``grad_avg`` buffer).
       capturable: accepted for torch compatibility; no effect (every step is jittable).
@@ -196,6 +197,7 @@ def rmsprop(
         "weight_decay": weight_decay,
         "momentum": momentum,
     }
-    has_momentum = callable(momentum) or to_python(momentum) > 0
+    # a schedule or a JAX array (an injected input) can change: keep the buffer
+    has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) > 0
     static = {"centered": bool(centered), "maximize": bool(maximize), "has_momentum": has_momentum}
     return make_optimizer(RMSPROP_ALGORITHM, hparams, static)

@@ -136,7 +136,8 @@ def sgd(
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
         schedule ``count -> value``.
       momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
-        at all; a momentum set later through ``set_hparams`` must then stay 0.
+        at all; a momentum set later through ``set_hparams`` must then stay 0. A schedule
+        or a JAX array (``optax.inject_hyperparams``) always keeps the buffer.
       dampening: dampening :math:`\tau` for momentum, default 0.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
       nesterov: use Nesterov momentum, default False (static).
@@ -187,7 +188,8 @@ def sgd(
     """
     check_fused_flags(fused, differentiable, foreach)
     hparams = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
-    has_momentum = callable(momentum) or to_python(momentum) != 0
+    # a schedule or a JAX array (an injected input) can change: keep the buffer
+    has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) != 0
     static = {"nesterov": bool(nesterov), "maximize": bool(maximize), "has_momentum": has_momentum}
     algorithm = fused_algorithm(SGD_ALGORITHM, sgd_kernel) if fused else SGD_ALGORITHM
     return make_optimizer(algorithm, hparams, static)

@@ -5,6 +5,10 @@ Two conventions run through the package:
 * A gradient leaf that is ``None`` means "this parameter got no gradient" (torch's
   ``p.grad is None``). JAX treats ``None`` as an empty subtree, so every walk over
   gradients here passes ``is_leaf=is_none`` to keep those positions.
+* A ``None`` in the *params* is "not a parameter": no state, no update, and its
+  gradient must be ``None`` too. That is what ``eqx.filter(model, eqx.is_inexact_array)``
+  and ``optax.multi_transform``'s masked sub-trees hand an optimizer (an activation
+  function, an integer field, another label's parameters).
 * Structural mismatches are reported by the first differing key path, in
   ``jax.tree_util.keystr`` form (``['layer']['w']``), with both structures shown.
 """
@@ -35,16 +39,22 @@ def leaves_with_path(tree: PyTree, keep_none: bool = False) -> list[tuple[tuple,
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none if keep_none else None)[0]
 
 
-def check_params(params: PyTree) -> None:
+def check_params(params: PyTree, allow_empty: bool = False) -> None:
     """Validate a parameter pytree before any state is built.
+
+    Args:
+      params: the parameter pytree (``None`` leaves are not parameters).
+      allow_empty: accept a tree without parameters, as optax's transformations do
+        (a parameter group or ``optax.multi_transform`` label that selects nothing);
+        default False, torch's rule.
 
     Raises:
       ValueError: ``optimizer got an empty parameter list`` (torch's text) for a tree
-        without leaves; a message naming the path of a leaf that is not a floating
-        point array.
+        without leaves unless ``allow_empty``; a message naming the path of a leaf that
+        is not a floating point array.
     """
     leaves = leaves_with_path(params)
-    if not leaves:
+    if not leaves and not allow_empty:
         raise ValueError("optimizer got an empty parameter list")
     for path, leaf in leaves:
         dtype = getattr(leaf, "dtype", None)
@@ -59,16 +69,18 @@ def check_like_params(params: PyTree, other: PyTree, what: str = "grads") -> Non
     """Check that ``other`` has ``params``' structure, shapes and dtypes.
 
     ``None`` leaves of ``other`` are allowed anywhere a parameter leaf stands (a
-    parameter without gradient). Runs on static information only, so under ``jit`` it
+    parameter without gradient). Where ``params`` has a ``None`` (not a parameter),
+    ``other`` must have one too. Runs on static information only, so under ``jit`` it
     raises at trace time, before anything is computed.
 
     Raises:
       ValueError: naming the first differing path and showing both structures.
     """
-    p_leaves = leaves_with_path(params)
+    p_leaves = leaves_with_path(params, keep_none=True)
     o_leaves = leaves_with_path(other, keep_none=True)
     p_paths = [path for path, _ in p_leaves]
     o_paths = [path for path, _ in o_leaves]
+    where = None
     if p_paths != o_paths:
         first = next(
             (i for i, (a, b) in enumerate(zip(p_paths, o_paths)) if a != b),
@@ -80,13 +92,20 @@ def check_like_params(params: PyTree, other: PyTree, what: str = "grads") -> Non
             where = f"{what} lack the parameter at {keystr(p_paths[first])}"
         else:
             where = f"{what} have an extra leaf at {keystr(o_paths[first])}"
+    else:
+        extra = next(
+            (path for (path, p), (_, o) in zip(p_leaves, o_leaves) if p is None and o is not None), None
+        )
+        if extra is not None:
+            where = f"{what} have a value at {keystr(extra)}, where params have None (not a parameter)"
+    if where is not None:
         raise ValueError(
             f"{what} do not match the structure of params: {where}.\n"
-            f"  params: {jax.tree.structure(params)}\n"
+            f"  params: {jax.tree.structure(params, is_leaf=is_none)}\n"
             f"  {what}: {jax.tree.structure(other, is_leaf=is_none)}"
         )
     for (path, p), (_, o) in zip(p_leaves, o_leaves):
-        if o is None:
+        if o is None or p is None:
             continue
         if jnp.shape(o) != jnp.shape(p):
             raise ValueError(

@@ -144,6 +144,33 @@ def entry_text(compiled: Any) -> str:
     return entry[: entry.index("\n}")]
 
 
+class CompileCounter:
+    """Counts XLA compilations (jax's backend-compile events) inside a ``with`` block.
+
+    Examples:
+      >>> with CompileCounter() as compiled:
+      ...     _ = jax.jit(lambda x: x + 1)(jnp.zeros(3))
+      >>> compiled.count
+      1
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
 # Hugging Face transformers' ``get_linear_schedule_with_warmup`` (optimization.py), verbatim:
 # the lr_lambda torch users pass to LambdaLR (Python ``if``, ``max``, ``float``).
 def _get_linear_schedule_with_warmup_lr_lambda(

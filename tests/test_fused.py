@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -201,13 +205,15 @@ def test_a_missing_compiler_is_reported(monkeypatch):
         _fused._compiler()
 
 
-def test_kernel_library_is_cached_by_source_and_toolchain(tmp_path, monkeypatch):
+def test_kernel_library_is_cached_by_source_toolchain_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("FUNCTORCH_OPTIM_CACHE", str(tmp_path))
-    path = _fused.library_path("/usr/bin/c++", _fused._FLAGS)
+    target = "-march=rocketlake -mavx512f"
+    path = _fused.library_path("/usr/bin/c++", _fused._FLAGS, target)
     assert path.parent == tmp_path and re.fullmatch(r"fused_kernels-[0-9a-f]{16}\.so", path.name)
-    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS) == path  # stable
-    assert _fused.library_path("/usr/bin/clang++", _fused._FLAGS) != path
-    assert _fused.library_path("/usr/bin/c++", (*_fused._FLAGS, "-O2")) != path
+    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS, target) == path  # stable
+    assert _fused.library_path("/usr/bin/clang++", _fused._FLAGS, target) != path
+    assert _fused.library_path("/usr/bin/c++", (*_fused._FLAGS, "-O2"), target) != path
+    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS, "-march=skylake -mno-avx512f") != path
 
 
 def test_mixed_dtypes_one_call_per_kernel_dtype():
@@ -377,3 +383,84 @@ def test_a_weighted_window_call_is_one_in_place_kernel_call():
     assert not re.search(r" (while|conditional)\(", text)
     assert unaliased_paths(compiled, (params, params, state), (0, 2)) == []
     assert compiled.memory_analysis().temp_size_in_bytes < 4096
+
+
+def test_the_kernel_build_says_what_it_is_waiting_for(tmp_path):
+    # a fresh cache: the build runs (seconds) and announces itself on stderr
+    import os
+    import subprocess
+    import sys
+
+    code = "import functorch_optim as fo; fo.sgd(lr=0.1, fused=True); print('built')"
+    env = {**os.environ, "FUNCTORCH_OPTIM_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "built"
+    lines = run.stderr.splitlines()
+    assert any(line.startswith("functorch_optim: building the fused=True kernels") for line in lines), lines
+    assert any(re.fullmatch(r"functorch_optim: fused kernels built in \d+\.\d s", line) for line in lines)
+    assert len(list(tmp_path.glob("fused_kernels-*.so"))) == 1
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "building" not in again.stderr  # cached: nothing to wait for
+
+
+RESUME = """
+import pickle, sys
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+with open(sys.argv[1], "rb") as f:
+    optimizers, grads = pickle.load(f)
+for opt in optimizers:
+    for g in grads:
+        opt.grad = g
+        opt.step()
+with open(sys.argv[1], "wb") as f:
+    pickle.dump([(jax.device_get(o.params), jax.device_get(o.state), o.state_dict()) for o in optimizers], f)
+"""
+
+
+def test_fused_facades_pickle_and_resume_bit_exactly_in_a_fresh_process(tmp_path):
+    params = _params(jnp.float64)
+    grads = [{k: v for k, v in _grads(params, k).items() if v is not None} for k in range(6)]
+    classes = {
+        fo.optim.SGD: dict(lr=0.1, momentum=0.9, nesterov=True),
+        fo.optim.Adam: dict(lr=0.01, amsgrad=True),
+        fo.optim.AdamW: dict(lr=0.01, weight_decay=0.1),
+        fo.optim.Adagrad: dict(lr=0.1, lr_decay=0.01),
+    }
+    optimizers = []
+    for cls, config in classes.items():
+        groups = [
+            {"params": {k: params[k] + 0 for k in ("w", "s")}},
+            {"params": {"b": params["b"] + 0}, "lr": 0.05},
+        ]
+        opt = cls(groups, fused=True, **config)
+        for g in grads[:3]:
+            opt.grad = [{k: g[k] for k in ("w", "s")}, {"b": g["b"]}]
+            opt.step()
+        optimizers.append(opt)
+    later = [[{k: g[k] for k in ("w", "s")}, {"b": g["b"]}] for g in grads[3:]]
+    path = tmp_path / "optimizers.pkl"
+    path.write_bytes(pickle.dumps((optimizers, later)))
+    subprocess.run([sys.executable, "-c", RESUME, str(path)], check=True, cwd=Path(__file__).parent.parent)
+    resumed = pickle.loads(path.read_bytes())
+    for opt, (params_, state, state_dict) in zip(optimizers, resumed, strict=True):
+        assert all(group["fused"] for group in state_dict["param_groups"])
+        for g in later:
+            opt.grad = g
+            opt.step()
+        _assert_same_bits(params_, jax.device_get(opt.params))
+        _assert_same_bits(state, jax.device_get(opt.state))
+
+
+def test_fused_facades_of_one_configuration_share_one_compiled_step():
+    from functorch_optim.optim._optimizer import _STEP
+
+    sizes = []
+    for i in range(3):
+        opt = fo.optim.Adam({"w": jnp.ones(3)}, lr=0.1 * (i + 1), fused=True)
+        opt.grad = {"w": jnp.ones(3)}
+        opt.step()
+        sizes.append(_STEP._cache_size())
+    assert sizes[1] == sizes[2] == sizes[0]

@@ -19,7 +19,11 @@ from torch.optim import lr_scheduler as TL
 from torch.optim import swa_utils
 
 from functorch_optim.optim import lr_scheduler as L
-from tests.helpers import _get_linear_schedule_with_warmup_lr_lambda, get_linear_schedule_with_warmup
+from tests.helpers import (
+    CompileCounter,
+    _get_linear_schedule_with_warmup_lr_lambda,
+    get_linear_schedule_with_warmup,
+)
 
 STEPS = 120
 LRS = [0.1, 0.03]
@@ -208,6 +212,53 @@ def test_drives_the_real_facade_like_torch(name, kwargs):
         np.testing.assert_allclose(sched.get_last_lr(), t_sched.get_last_lr(), rtol=1e-12, atol=0)
     for ours, theirs in zip(opt.params, ts):
         np.testing.assert_allclose(np.asarray(ours), theirs.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
+def _scheduler_sweep(make, n, steps=3):
+    """``n`` schedulers ``make(i, module, optimizer)`` over fresh optimizers, each stepped
+    ``steps`` times beside torch's; returns the compilations they caused."""
+    with CompileCounter() as compiled:
+        for i in range(n):
+            topt, opt = _pair()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref, ours = make(i, TL, topt), make(i, L, opt)
+                for _ in range(steps):
+                    topt.step()
+                    ref.step()
+                    ours.step()
+            assert np.max(np.abs(np.asarray(ours.get_last_lr()) - ref.get_last_lr())) <= 1e-15
+    return compiled.count
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda i, M, o: M.StepLR(o, step_size=2, gamma=0.5),
+        lambda i, M, o: M.CosineAnnealingLR(o, T_max=10),
+        lambda i, M, o: M.SequentialLR(o, [M.LinearLR(o, 0.1, 1.0, 2), M.ExponentialLR(o, 0.9)], [2]),
+    ],
+    ids=["StepLR", "CosineAnnealingLR", "SequentialLR"],
+)
+def test_schedulers_of_one_configuration_compile_once(make):
+    _scheduler_sweep(make, 1)  # compiles its step
+    assert _scheduler_sweep(make, 20) == 0
+
+
+def test_reduce_lr_on_plateau_of_one_configuration_compiles_once():
+    def sweep(n):
+        with CompileCounter() as compiled:
+            for i in range(n):
+                topt, opt = _pair()
+                ref, ours = TL.ReduceLROnPlateau(topt, patience=1), L.ReduceLROnPlateau(opt, patience=1)
+                for metric in (1.0, 1.0, 1.0, 0.5 - i / 100):
+                    ref.step(metric)
+                    ours.step(metric)
+                assert ours.get_last_lr() == ref.get_last_lr() == [lr * 0.1 for lr in LRS]
+        return compiled.count
+
+    sweep(1)
+    assert sweep(20) == 0
 
 
 # ----------------------------------------------------------------------------- state dicts in torch's layout
@@ -488,21 +539,42 @@ def test_eager_lambdas_inside_sequential_and_chained_like_torch():
     def warm(epoch):
         return float(epoch) / 3 if epoch < 3 else 1.0
 
-    def cases(M, o):
+    def cases(M, o, calls):
+        warm_ = _recording(warm, calls)
         return {
-            "SequentialLR": lambda: M.SequentialLR(o, [M.LambdaLR(o, warm), M.ExponentialLR(o, 0.9)], [3]),
+            "SequentialLR": lambda: M.SequentialLR(
+                o, [M.LambdaLR(o, warm_), M.ExponentialLR(o, 0.9), M.LambdaLR(o, warm_)], [3, 6]
+            ),
             "ChainedScheduler": lambda: M.ChainedScheduler(
-                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm, warm])]
+                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm_, warm_])]
             ),
         }
 
     for name in ["SequentialLR", "ChainedScheduler"]:
         topt, opt = _pair()
+        theirs, ours_calls = [], []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref, ours = cases(TL, topt)[name](), cases(L, opt)[name]()
+            ref, ours = cases(TL, topt, theirs)[name](), cases(L, opt, ours_calls)[name]()
+            assert ours_calls == theirs, name  # construction: torch's undo and initial step
             for t in range(12):
                 assert ours.get_last_lr() == ref.get_last_lr(), (name, t)
                 topt.step()
                 ref.step()
                 ours.step()
+        assert ours_calls == theirs and len(theirs) > 12, name  # only the active scheduler's, as torch
+
+
+def test_cyclic_lr_calls_a_python_scale_fn_eagerly_like_torch():
+    def scale_fn(x):  # Python control flow on the cycle, as torch allows
+        return 1.0 if x < 2 else 0.5 / float(x)
+
+    topt, opt = _pair()
+    ref = TL.CyclicLR(topt, 0.01, 0.1, 3, scale_fn=scale_fn)
+    ours = L.CyclicLR(opt, 0.01, 0.1, 3, scale_fn=scale_fn)
+    for t in range(20):
+        assert ours.get_last_lr() == ref.get_last_lr(), t
+        assert _momenta(opt) == _momenta(topt), t
+        topt.step()
+        ref.step()
+        ours.step()

@@ -196,11 +196,16 @@ def test_nesterov_checked_by_set_hparams():
         fo.set_hparams(state, dampening=0.5)
 
 
-def test_empty_params_is_torch_error():
+def test_empty_params_torch_error_in_facade_empty_tree_in_functional_api():
+    # torch raises in its constructor (the facade's); optax's transformations, which the
+    # functional API follows, accept a tree without parameters (an empty group or label)
     with pytest.raises(ValueError, match=r"^optimizer got an empty parameter list$"):
-        fo.sgd().init({})
+        fo.optim.SGD({})
     with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
         torch.optim.SGD([])
+    tx = fo.sgd(lr=0.1, momentum=0.9)
+    params, state = fo.step(tx, {}, {}, tx.init({}))
+    assert params == {} and int(state.count) == 1
 
 
 def test_non_float_parameter_named_by_path():

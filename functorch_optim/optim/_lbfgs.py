@@ -1,8 +1,8 @@
 """``torch.optim.LBFGS`` as an imperative class over the functional ``lbfgs``.
 
-Small and separate from ``Optimizer``: LBFGS has one parameter group, no gradients to
-hold (the closure supplies them) and one global state, which torch keeps under its
-first parameter.
+Small and separate from ``Optimizer``: LBFGS has one parameter group, gradients that
+only its closure fills and one global state, which torch keeps under its first
+parameter.
 """
 
 from __future__ import annotations
@@ -13,17 +13,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from functorch_optim._hyperparams import set_hparams, to_python
-from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
-from functorch_optim._tree import PyTree, check_params
+from functorch_optim._lbfgs import LBFGSState, _lbfgs_eager_step, lbfgs, lbfgs_step
+from functorch_optim._tree import PyTree, check_params, is_none
 from functorch_optim.interop.torch import _to_numpy
 from functorch_optim.optim._optimizer import (
+    _BACKWARD,
     Optimizer,
     _as_tuples,
+    _checked_grad,
+    _Layout,
     _same,
     _torch_available,
     check_names,
+    closure_takes_params,
     export_state_dict,
     read_state_dict,
 )
@@ -62,14 +67,22 @@ class LBFGS:
     flat vectors' layout) is ``jax.tree.leaves`` order; parameter names
     (``param_names``) and their check on loading are ``Optimizer``'s.
 
-    The one difference from torch is the closure. torch's closure re-evaluates the
-    model and calls ``loss.backward()``; here it must be a pure, jittable function of
-    the parameters, ``closure(params) -> scalar loss``, whose gradient comes from
-    ``jax.value_and_grad``. ``step(closure)`` runs one whole torch
-    ``step(closure)`` (up to ``max_iter`` iterations, the line search included) in one
-    jitted call, compiled once per closure object: pass the same function every step
-    (to feed new data, close over it in a ``jax.tree_util.Partial`` made once, or
-    rebuild the closure and accept a recompilation).
+    ``step(closure)`` takes either closure, told apart by its signature (see
+    ``functorch_optim.optim.closure_takes_params``):
+
+    * torch's ``closure() -> loss``, unchanged: ``opt.zero_grad(); loss =
+      opt.backward(loss_fn, x, y); return loss``. The step then runs torch's algorithm
+      with Python control flow, setting the parameters and calling the closure exactly
+      when and as often as torch does (same ``n_iter`` and ``func_evals``); the
+      bookkeeping in between is NumPy float64, the two-loop recursion jitted once.
+    * a pure, jittable ``closure(params) -> loss``, whose gradient comes from
+      ``jax.value_and_grad``: the whole ``step(closure)`` (up to ``max_iter``
+      iterations, the line search included) is one jitted call, compiled once per
+      closure object. Pass the same function every step (to feed new data, close over
+      it in a ``jax.tree_util.Partial`` made once, or rebuild the closure and accept a
+      recompilation).
+
+    Both give the same numbers (torch's, to float64 rounding).
 
     Attributes:
       param_groups: a list with torch's one group dict: ``"params"`` (the current
@@ -82,7 +95,11 @@ class LBFGS:
     Raises:
       ValueError: ``LBFGS doesn't support per-parameter options (parameter groups)``
         (torch's text) for a list of group dicts other than a single one;
-        ``Invalid learning rate: {lr}``; ``optimizer got an empty parameter list``.
+        ``Invalid learning rate: {lr}``; ``optimizer got an empty parameter list``;
+        ``some parameters appear in more than one parameter group`` (torch's text, checked
+        first) when groups share an array.
+      UserWarning: torch's "a parameter group with duplicate parameters" warning when the
+        same array appears twice.
       RuntimeError: ``only 'strong_wolfe' is supported`` for another ``line_search_fn``.
 
     Examples:
@@ -97,6 +114,11 @@ class LBFGS:
       [3.0, 3.0]
       >>> sorted(opt.state_dict()["state"][0])[:3]
       ['H_diag', 'al', 'd']
+      >>> def torch_closure():  # torch's form: zero_grad, backward, return the loss
+      ...     opt.zero_grad()
+      ...     return opt.backward(closure)
+      >>> float(opt.step(torch_closure))
+      0.0
 
     Note:
       The parameters and state are donated to the jitted step: arrays read from
@@ -131,11 +153,14 @@ class LBFGS:
             and params
             and all(isinstance(g, Mapping) and "params" in g for g in params)
         ):
+            # torch's Optimizer checks for duplicates before LBFGS looks at the group count
+            Optimizer._check_duplicates([g["params"] for g in params])
             if len(params) != 1:
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
             overrides = {k: v for k, v in params[0].items() if k != "params"}
             params = params[0]["params"]
         else:
+            Optimizer._check_duplicates([params])
             overrides = {}
         if not jax.tree.leaves(params):
             raise ValueError("optimizer got an empty parameter list")
@@ -146,6 +171,7 @@ class LBFGS:
         self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         self._tx = tx
         self._state = _own(tx.init(self._params))
+        self._grads: PyTree = jax.tree.map(lambda _: None, self._params)
         named = {} if names is None else {"param_names": names}
         self.param_groups: list[dict[str, Any]] = [{"params": self._params, **named, **config}]
         self._applied = dict(config)
@@ -162,38 +188,104 @@ class LBFGS:
         """The functional state, an ``LBFGSState`` (torch's names, ring-buffer history)."""
         return self._state
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Does nothing: the closure's gradient is computed fresh at every evaluation.
+    @property
+    def grad(self) -> PyTree:
+        """The gradients the closure's ``backward`` left, shaped like ``params``.
 
-        Kept so that torch code calling ``optimizer.zero_grad()`` ports unchanged.
+        ``None`` leaves after ``zero_grad()``. Writable like ``Optimizer.grad`` (a pytree
+        like ``params``, the parameters' dtypes): what torch's closure leaves in
+        ``p.grad`` (e.g. clipped with ``functorch_optim.nn.utils.clip_grad_norm_``) is
+        what the step uses.
+        """
+        return self._grads
+
+    @grad.setter
+    def grad(self, value: PyTree) -> None:
+        self._grads = _checked_grad(self._params, value)[0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's ``zero_grad``; torch's closure calls it first.
 
         Args:
-          set_to_none: accepted for torch compatibility; no effect.
+          set_to_none: default True: every gradient becomes ``None``; with False,
+            existing ones become zeros.
         """
-        del set_to_none
+        if set_to_none:
+            self._grads = jax.tree.map(lambda _: None, self._params)
+        else:
+            self._grads = jax.tree.map(
+                lambda g: None if g is None else jnp.zeros_like(g), self._grads, is_leaf=is_none
+            )
+
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
+        """``loss_fn(opt.params, *args, **kwargs)``, its gradient ADDED into ``opt.grad``.
+
+        ``Optimizer.backward``'s contract (one jitted ``value_and_grad`` per ``loss_fn``),
+        for the body of torch's closure.
+
+        Args:
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss`` (``-> (loss, aux)`` with
+            ``has_aux=True``).
+          *args: positional arguments for ``loss_fn``.
+          has_aux: ``loss_fn`` returns ``(loss, aux)``; not passed to ``loss_fn``.
+          **kwargs: keyword arguments for ``loss_fn``.
+
+        Returns:
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+        """
+        layout = _Layout("tree")
+        out, grads = _BACKWARD(loss_fn, layout, bool(has_aux), (self._params,), (self._grads,), args, kwargs)
+        self._grads = grads[0]
+        return out
 
     # -- the step -------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[PyTree], Any]) -> jax.Array:
-        """One ``torch.optim.LBFGS.step(closure)``: up to ``max_iter`` iterations, jitted.
+    def step(self, closure: Callable[..., Any]) -> jax.Array:
+        """One ``torch.optim.LBFGS.step(closure)``: up to ``max_iter`` iterations.
 
         Applies changed ``param_groups`` values first (torch's messages; on an error
         nothing changes).
 
         Args:
-          closure: a pure, jittable ``closure(params) -> scalar loss`` (not torch's
-            side-effecting ``() -> loss``: no ``backward`` — the gradient comes from
-            ``jax.value_and_grad``). Compiled once per function object.
+          closure: torch's ``closure() -> loss`` (it calls ``opt.zero_grad()`` and
+            ``opt.backward(...)``; called as torch calls it, the step around it eager),
+            or a pure, jittable ``closure(params) -> loss`` (the whole step one jitted
+            call, compiled once per function object). Told apart by the signature: a
+            closure callable without arguments is torch's.
 
         Returns:
           The loss at the parameters the step started from (torch's ``orig_loss``), a
           0-d array.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
+        pure = closure_takes_params(closure)
         self._sync_group()
-        params, state, loss = _STEP(self._tx, closure, self._params, self._state)
+        if pure:
+            params, state, loss = _STEP(self._tx, closure, self._params, self._state)
+        else:
+            params, state, loss = self._eager_step(closure)
         self._params, self._state = params, state
         self.param_groups[0]["params"] = params
         return loss
+
+    def _eager_step(self, closure: Callable[[], Any]) -> tuple[PyTree, LBFGSState, jax.Array]:
+        x0, unravel = ravel_pytree(self._params)
+
+        def evaluate(x: jax.Array) -> tuple[Any, jax.Array]:
+            self._params = unravel(x)
+            self.param_groups[0]["params"] = self._params
+            loss = closure()
+            grads = jax.tree.map(
+                lambda g, p: jnp.zeros_like(p) if g is None else g, self._grads, self._params, is_leaf=is_none
+            )
+            return loss, ravel_pytree(grads)[0].astype(x0.dtype)
+
+        x, state, loss = _lbfgs_eager_step(evaluate, x0, self._state)
+        return unravel(x), state, loss
 
     def _sync_group(self) -> None:
         group = self.param_groups[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState
+from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, schedule_key
 from functorch_optim._base import step as functional_step
+from functorch_optim._groups import path_name, select_groups
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
 from functorch_optim.interop.torch import _is_tensor, _to_numpy, _to_tensor
@@ -76,30 +76,6 @@ class _Layout:
         return tuple(
             tuple(x for x, o in zip(leaves, self.owner, strict=True) if o == g) for g in range(self.n_groups)
         )
-
-
-def path_name(path: tuple) -> str:
-    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``.
-
-    Args:
-      path: a ``jax.tree_util`` key path (dict keys, sequence indices, attributes).
-
-    Returns:
-      The keys joined by ``"."``; the names ``group_by`` regexes are matched against.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
 
 
 def _leaf_names(paths: Sequence[tuple]) -> list[str] | None:
@@ -163,32 +139,14 @@ def group_by(params: PyTree, *groups: Mapping[str, Any]) -> GroupedParams:
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("optimizer got an empty parameter list")
-    selectors = []
     for i, spec in enumerate(groups):
         if not isinstance(spec, Mapping) or "where" not in spec:
             raise ValueError(
                 f"group_by: group {i} must be a dict with a 'where' key (a regex or a predicate "
                 f"(path, leaf) -> bool), got {spec!r}"
             )
-        where = spec["where"]
-        if isinstance(where, str):
-            pattern = re.compile(where)
-            selectors.append(lambda path, leaf, p=pattern: p.search(path_name(path)) is not None)
-        elif callable(where):
-            selectors.append(where)
-        else:
-            raise ValueError(
-                f"group_by: group {i}'s 'where' must be a regex string or a callable, got {where!r}"
-            )
-    owner = []
-    for path, leaf in leaves:
-        chosen = [i for i, sel in enumerate(selectors) if sel(path, leaf)]
-        if len(chosen) > 1:
-            raise ValueError(
-                "some parameters appear in more than one parameter group: "
-                f"{path_name(path)!r} is selected by groups {chosen}"
-            )
-        owner.append(chosen[0] if chosen else len(groups))
+    labels = [f"group {i}" for i in range(len(groups))]
+    owner = select_groups(leaves, [spec["where"] for spec in groups], labels)
     overrides = [{k: v for k, v in spec.items() if k != "where"} for spec in groups]
     for i, spec in enumerate(groups):
         if i not in owner:
@@ -212,41 +170,77 @@ def _multi_step(txs, params, grads, states):
     return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
-def _backward(loss_fn, layout, params, grads, args, kwargs):
+def _backward(loss_fn, layout, has_aux, params, grads, args, kwargs):
     def loss_of(groups):
         return loss_fn(layout.to_user(groups), *args, **kwargs)
 
-    loss, new = jax.value_and_grad(loss_of)(params)
+    out, new = jax.value_and_grad(loss_of, has_aux=has_aux)(params)
     # torch's ``loss.backward()`` adds into ``.grad``: old + new
     acc = jax.tree.map(lambda old, g: g if old is None else old + g, grads, new, is_leaf=is_none)
-    return loss, acc
+    return out, acc
 
 
-#: Transformations by (algorithm, state structure): two with equal keys step identically
-#: (the step reads numeric hyperparameters from the state; everything else it uses is the
-#: algorithm and the static flags, which the state's structure carries), so optimizers
+#: Transformations by (algorithm, state structure, schedules): two with equal keys step
+#: identically (the step reads numeric hyperparameters, a schedule's learning rate and
+#: counters from the state; everything else it uses is the algorithm, the static flags,
+#: which the state's structure carries, and the schedules' ``step_key``), so optimizers
 #: of the same configuration share one compiled step, across instances too.
-_TX_CACHE: dict[tuple[Any, Any], Any] = {}
+_TX_CACHE: dict[tuple[Any, Any, Any], Any] = {}
 
 
 def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
     """The cached transformation equivalent to ``tx`` (``tx`` itself the first time)."""
-    if any(callable(v) for v in config.values()):  # a schedule: its function is in the closure
-        return tx
     algorithm = getattr(tx.update, ALGORITHM_ATTR)
     try:
-        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state)), tx)
-    except TypeError:  # unhashable static metadata: no sharing
+        keys = {k: schedule_key(v) for k, v in config.items()}
+        schedules = tuple(sorted((k, key) for k, key in keys.items() if key is not None))
+        return _TX_CACHE.setdefault((algorithm, jax.tree.structure(state), schedules), tx)
+    except TypeError:  # unhashable static metadata or schedule argument: no sharing
         return tx
 
 
 _STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
-_BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
+_BACKWARD = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
+
+
+def closure_takes_params(closure: Callable[..., Any]) -> bool:
+    """Whether a ``step(closure)`` closure is the pure ``closure(params)`` form, by its signature.
+
+    A closure that can be called without arguments is torch's ``closure() -> loss``
+    (it evaluates the model and calls ``backward`` itself); one with exactly one required
+    positional parameter is the pure ``closure(params) -> loss``.
+
+    Args:
+      closure: the closure given to ``step``.
+
+    Returns:
+      True for ``closure(params)``, False for ``closure()``.
+
+    Raises:
+      TypeError: for a closure with two or more required positional parameters, or one
+        whose signature cannot be read.
+    """
+    try:
+        sig = inspect.signature(closure)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step: cannot read the signature of closure {closure!r}; pass a function "
+            "closure() -> loss (torch's) or closure(params) -> loss"
+        ) from None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in sig.parameters.values() if p.kind in positional and p.default is p.empty]
+    if len(required) > 1:
+        raise TypeError(
+            "closure must take no argument (torch's closure() -> loss, which calls "
+            "opt.zero_grad() and opt.backward(...) itself) or one, the parameters "
+            f"(closure(params) -> loss); got one that requires {', '.join(required)}"
+        )
+    return len(required) == 1
 
 
 def _is_array(x: Any) -> bool:
@@ -373,6 +367,21 @@ def _copy_leaf(x: Any) -> jax.Array:
     return jnp.array(x, copy=True)
 
 
+def _checked_grad(params: PyTree, value: PyTree) -> tuple[PyTree, bool]:
+    """An assigned ``opt.grad``, checked against the parameters and copied; and whether all are None."""
+    check_like_params(params, value, "grad")
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    g_leaves = jax.tree.structure(params).flatten_up_to(value)
+    for (path, p), g in zip(p_leaves, g_leaves, strict=True):
+        if g is not None and jnp.result_type(g) != p.dtype:
+            raise ValueError(
+                f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
+                f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
+            )
+    copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+    return copied, all(g is None for g in g_leaves)
+
+
 def _factory_parameters(factory: Callable[..., Any]) -> list[inspect.Parameter]:
     skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     return [p for p in inspect.signature(factory).parameters.values() if p.kind not in skip]
@@ -482,7 +491,10 @@ class Optimizer:
         # everything validated: now copy the parameters and build the states
         self._layout = layout
         self._params = [jax.tree.map(_copy_leaf, tree) for tree in trees]
-        self._states = [tx.init(tree) for tx, tree in zip(txs, self._params, strict=True)]
+        self._states = [
+            self._initial_state(tx, alg, tree)
+            for tx, alg, tree in zip(txs, algorithms, self._params, strict=True)
+        ]
         self._txs = [_shared(tx, st, g) for tx, st, g in zip(txs, self._states, groups, strict=True)]
         self._algorithms = algorithms
         self._numeric = [frozenset(s.hparams) for s in self._states]
@@ -497,6 +509,19 @@ class Optimizer:
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
 
     # -- construction helpers -----------------------------------------------------------
+
+    def _initial_state(self, tx: Any, algorithm: Algorithm, tree: PyTree) -> TorchState:
+        """``tx.init(tree)``; for an algorithm whose state torch creates in ``__init__``
+        (Adagrad), the buffers come from the constructor's arguments, as torch's loop there
+        reads them: a group's own ``initial_accumulator_value`` shows in ``param_groups``
+        but does not seed its ``sum``."""
+        state = tx.init(tree)
+        if not algorithm.torch_state_at_init:
+            return state
+        factory = type(self).factory
+        fresh = factory(**{k: self.defaults[k] for k in self._factory_params}).init(tree)
+        buffers = {n: b if n == "step" else fresh.buffers[n] for n, b in state.buffers.items()}
+        return TorchState(state.hparams, state.count, buffers)
 
     def _check_keys(self, index: int, overrides: Mapping[str, Any]) -> None:
         unknown = sorted(set(overrides) - set(self._factory_params) - set(_GROUP_KEYS))
@@ -689,18 +714,9 @@ class Optimizer:
 
     @grad.setter
     def grad(self, value: PyTree) -> None:
-        check_like_params(self.params, value, "grad")
-        p_leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        g_leaves = jax.tree.structure(self.params).flatten_up_to(value)
-        for (path, p), g in zip(p_leaves, g_leaves, strict=True):
-            if g is not None and jnp.result_type(g) != p.dtype:
-                raise ValueError(
-                    f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
-                    f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
-                )
-        copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+        copied, all_none = _checked_grad(self.params, value)
         self._grads = list(self._layout.to_groups(copied))
-        self._grads_all_none = all(g is None for g in g_leaves)
+        self._grads_all_none = all_none
 
     @property
     def state(self) -> TorchState | tuple[TorchState, ...]:
@@ -761,7 +777,9 @@ class Optimizer:
                 for t in self._grads
             ]
 
-    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """Compute ``loss_fn(opt.params, *args, **kwargs)`` and ADD its gradient into ``opt.grad``.
 
         As torch's ``loss.backward()`` accumulates into ``.grad``: call ``zero_grad()``
@@ -770,20 +788,37 @@ class Optimizer:
         every step; ``args``/``kwargs`` are traced arrays).
 
         Args:
-          loss_fn: ``(params, *args, **kwargs) -> scalar loss``; ``params`` comes in the
-            structure ``opt.params`` has.
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss``, or ``-> (loss, aux)``
+            with ``has_aux=True``; ``params`` comes in the structure ``opt.params`` has.
           *args: positional arguments for ``loss_fn`` (a batch, targets, …).
+          has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays
+            (an RNN's hidden state, a discriminator's outputs) that is not
+            differentiated (``jax.value_and_grad``'s ``has_aux``). Not passed to
+            ``loss_fn``.
           **kwargs: keyword arguments for ``loss_fn``.
 
         Returns:
-          The loss, a 0-d array.
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from functorch_optim.optim import SGD
+          >>> opt = SGD({"w": jnp.array([1.0, 2.0])}, lr=0.1)
+          >>> def loss_fn(params, x):
+          ...     out = params["w"] * x
+          ...     return jnp.sum(out**2), out
+          >>> loss, out = opt.backward(loss_fn, jnp.array([1.0, 1.0]), has_aux=True)
+          >>> float(loss), out.tolist(), opt.grad["w"].tolist()
+          (5.0, [1.0, 2.0], [2.0, 4.0])
         """
-        loss, grads = _BACKWARD(loss_fn, self._layout, tuple(self._params), tuple(self._grads), args, kwargs)
+        out, grads = _BACKWARD(
+            loss_fn, self._layout, bool(has_aux), tuple(self._params), tuple(self._grads), args, kwargs
+        )
         self._grads = list(grads)
         self._grads_all_none = False
-        return loss
+        return out
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[..., Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
         First applies changed ``param_groups`` values (validated with torch's messages;
@@ -791,15 +826,27 @@ class Optimizer:
         whose gradient is ``None`` is left untouched, state included.
 
         Args:
-          closure: optional ``() -> loss`` that re-evaluates the model (usually
-            ``zero_grad()`` then ``backward(...)``), called first, as in torch.
+          closure: optional; told apart by its signature (see ``closure_takes_params``):
+
+            * torch's ``closure() -> loss``, which re-evaluates the model itself
+              (``opt.zero_grad(); loss = opt.backward(loss_fn, x, y); return loss``),
+              called first, as in torch;
+            * a pure ``closure(params) -> loss``: the gradients become its gradient at
+              the current parameters (``zero_grad()`` then ``backward(closure)``).
 
         Returns:
           The closure's loss, or ``None`` without a closure.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
         loss = None
         if closure is not None:
-            loss = closure()
+            if closure_takes_params(closure):
+                self.zero_grad()
+                loss = self.backward(closure)
+            else:
+                loss = closure()
         self._sync_groups()
         if self._grads_all_none:
             return loss

@@ -88,6 +88,53 @@ def _as_lr(lr: Any) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- torch's LRScheduler
+def _value_key(x: Any) -> Any:
+    """A hashable stand-in for ``x``, equal for two values that a jitted step bakes in
+    identically: numbers by type and exact value (``-0.0`` is not ``0.0``), sequences,
+    mappings and arrays by content, a scheduler spec by its class and attributes.
+
+    Raises:
+      TypeError: ``x`` holds anything else, user code in particular (a ``lr_lambda``, a
+        ``scale_fn``): it may read values that change, so it is never shared.
+    """
+    if x is None or isinstance(x, bool | int | str):
+        return (type(x).__name__, x)
+    if isinstance(x, float):
+        return ("float", x.hex() if x == x else "nan")
+    if isinstance(x, list | tuple):
+        return ("seq", tuple(_value_key(v) for v in x))
+    if isinstance(x, Mapping):
+        return ("map", tuple(sorted((repr(k), _value_key(v)) for k, v in x.items())))
+    if isinstance(x, np.ndarray | np.generic | jax.Array):
+        a = np.asarray(x)
+        return ("array", str(a.dtype), a.shape, a.tobytes())
+    if isinstance(x, _Spec):
+        return (type(x), _value_key(vars(x)))
+    raise TypeError(f"a {type(x).__name__} in a schedule is not compared by value")
+
+
+class _ByValue:
+    """``obj`` as a static ``jax.jit`` argument that compares by ``key`` (default
+    ``_value_key(obj)``): equal schedules (another instance, the same arguments) hit the
+    same compiled step. Where ``_value_key`` refuses (user code), it equals only itself:
+    its own compilation, as a fresh ``jax.jit`` would have."""
+
+    def __init__(self, obj: Any, key: Any = None) -> None:
+        self.obj = obj
+        if key is None:
+            try:
+                key = _value_key(obj)
+            except TypeError:
+                key = ("unshared", object())
+        self._key = key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
 class _Spec:
     """One torch scheduler class, emulated over a param-group dict of arrays.
 
@@ -185,6 +232,18 @@ class Schedule:
 
     def __repr__(self) -> str:
         return f"<Schedule {self.name} key={self.key!r} lr={self.lr!r}>"
+
+    @property
+    def step_key(self) -> Any:
+        """Hashable, equal for two schedules whose ``step_schedule`` computes the same: the
+        scheduler, its arguments and the driven key, not the learning rate it starts from
+        (that is state). Optimizers whose schedules have equal keys share one compiled step.
+
+        Raises:
+          TypeError: the schedule holds user code or another value ``_value_key`` does
+            not compare (such a schedule is not shared).
+        """
+        return (type(self), self.key, _value_key(self._spec))
 
     @property
     def momentum(self) -> Schedule:

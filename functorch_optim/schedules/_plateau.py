@@ -18,6 +18,7 @@ from functorch_optim.schedules._core import (
     _f,
     _i,
     _n_groups,
+    _value_key,
 )
 
 
@@ -66,6 +67,16 @@ class _PlateauSchedule(Schedule):
 
     def step_schedule(self, value, state, count=None):
         return value, state  # the lr moves only with a metric: ``step(state, metric)``
+
+    @property
+    def step_key(self) -> Any:
+        return (type(self), self.key)  # the step leaves the lr alone, whatever the arguments
+
+    @property
+    def update_key(self) -> Any:
+        """Hashable, equal for two plateau schedules whose ``update`` computes the same
+        (every argument but the starting lr)."""
+        return _value_key({k: v for k, v in vars(self).items() if k not in ("lr", "_start_lr")})
 
     def check_hparams(self, name, hparams):
         return None
