@@ -4,7 +4,7 @@
 """
 
 from functorch_optim import schedules
-from functorch_optim._accumulate import GradAccumulateState, grad_accumulate
+from functorch_optim._accumulate import GradAccumulateState, flush, grad_accumulate
 from functorch_optim._adadelta import adadelta
 from functorch_optim._adafactor import adafactor
 from functorch_optim._adagrad import adagrad
@@ -48,6 +48,7 @@ from functorch_optim._sharding import data_parallel_grad, state_shardings
 from functorch_optim import optim  # isort: skip
 from functorch_optim import nn  # isort: skip
 from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
+from functorch_optim._microbatch import microbatch_grad
 from functorch_optim._muon import muon
 from functorch_optim._sparse_adam import sparse_adam
 
@@ -83,6 +84,7 @@ __all__ = [
     "clip_grad_value_transform",
     "clip_grads_with_norm",
     "data_parallel_grad",
+    "flush",
     "get_ema_avg_fn",
     "get_ema_multi_avg_fn",
     "get_hparams",
@@ -93,6 +95,7 @@ __all__ = [
     "jit_step",
     "lbfgs",
     "lbfgs_step",
+    "microbatch_grad",
     "muon",
     "nadam",
     "nn",

@@ -480,6 +480,9 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
             micro, window, plain = (f"{prefix} {k} step" for k in ("micro", "window", "plain"))
             row["ratios"] |= {
                 f"{prefix} micro/bare": _ratio(t, micro, bare),
+                f"{prefix} weighted micro/bare": _ratio(
+                    t, f"{prefix} weighted micro step", bare.replace("acc+g", "acc+w*g")
+                ),
                 f"MultiSteps micro/{prefix} micro": _ratio(t, "optax MultiSteps micro-step", micro),
                 f"{prefix} window/plain": _ratio(t, window, plain),
                 # what closing a window adds to the optimizer step itself: the window step
@@ -514,9 +517,22 @@ def accumulate_contenders(
     micro = stepper(fo.grad_accumulate(sgd, every=NEVER))
     window = stepper(fo.grad_accumulate(sgd, every=2))
     plain = stepper(sgd)
+    # reduction="weighted": the weight is an argument (traced), as a training loop passes it
+    weighted_tx = fo.grad_accumulate(sgd, every=NEVER, reduction="weighted")
+    params = pack(np_leaves)
+    weighted = JaxStepper(
+        lambda p, gw, s: fo.step(weighted_tx, p, gw[0], s, weight=gw[1]),
+        params,
+        (grads, jnp.float32(37.0)),
+        weighted_tx.init(params),
+        nbytes,
+    )
     micro_bytes, step_bytes = BYTES_PER_PARAM["micro"], BYTES_PER_PARAM["sgd"]
     out = [
         Contender(f"{prefix} micro step", micro, bytes_per_param=micro_bytes, memory=micro.memory),
+        Contender(
+            f"{prefix} weighted micro step", weighted, bytes_per_param=micro_bytes, memory=weighted.memory
+        ),
         Contender(
             f"{prefix} window step", window, prepare=window, bytes_per_param=step_bytes, memory=window.memory
         ),
@@ -531,8 +547,24 @@ def accumulate_contenders(
             acc["acc"] = add(acc["acc"], grads)
             wait(acc["acc"])
 
+        w_acc = {"acc": jax.tree.map(jnp.zeros_like, pack(np_leaves))}
+        add_w = jax.jit(lambda a, g, w: jax.tree.map(lambda a, g: a + w * g, a, g), donate_argnums=0)
+        add_w = add_w.lower(w_acc["acc"], grads, jnp.float32(37.0)).compile()
+
+        def run_add_w() -> None:
+            w_acc["acc"] = add_w(w_acc["acc"], grads, jnp.float32(37.0))
+            wait(w_acc["acc"])
+
         out.append(
             Contender(bare, run_add, bytes_per_param=micro_bytes, memory=peak_memory_units(add, nbytes))
+        )
+        out.append(
+            Contender(
+                bare.replace("acc+g", "acc+w*g"),
+                run_add_w,
+                bytes_per_param=micro_bytes,
+                memory=peak_memory_units(add_w, nbytes),
+            )
         )
     return out
 
@@ -769,8 +801,9 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "| params | leaves | layout | micro-step | bare acc+g | micro / bare | MultiSteps micro-step "
             "| MultiSteps / micro | window step | plain step | window / plain | (window − micro) / plain "
-            "| torch grad.add_ | peak micro ×P | peak window ×P | peak bare ×P | peak MultiSteps ×P |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| torch grad.add_ | peak micro ×P | peak window ×P | peak bare ×P | peak MultiSteps ×P "
+            "| weighted micro-step | bare acc+w·g | weighted / bare |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["accumulate"]:
             t, q, m = r["times_ms"], r["ratios"], r["memory_x_params"]
@@ -784,7 +817,10 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {_fmt(t.get(plain))} | {_fmt(q.get(f'{prefix} window/plain'))} "
                     f"| {_fmt(q.get(f'{prefix} (window - micro)/plain'))} | {_fmt(t.get('torch grad.add_'))} "
                     f"| {_fmt(m.get(micro))} | {_fmt(m.get(window))} | {_fmt(m.get(bare))} "
-                    f"| {_fmt(m.get('optax MultiSteps micro-step'))} |"
+                    f"| {_fmt(m.get('optax MultiSteps micro-step'))} "
+                    f"| {_fmt(t.get(f'{prefix} weighted micro step'))} "
+                    f"| {_fmt(t.get(bare.replace('acc+g', 'acc+w*g')))} "
+                    f"| {_fmt(q.get(f'{prefix} weighted micro/bare'))} |"
                 )
         lines.append("")
     if result.get("compile"):

@@ -366,7 +366,7 @@ counter, ``step`` the counter before this step, ``active`` its ``grad_mask`` fla
 class Window(NamedTuple):
     """``grad_accumulate``'s share of a kernel call (``fused_window``): the call adds the
     gradient into the accumulator, or, on the call that closes the window, steps on the
-    window's mean (sum) and writes it to the accumulator, in the same pass.
+    window's mean (sum, weighted mean) and writes it to the accumulator, in the same pass.
 
     Attributes:
       accs: the accumulator: a tree like the params (``grad_accumulate``), a list over
@@ -374,17 +374,36 @@ class Window(NamedTuple):
       fresh: whether this call opens a window (it overwrites the sum), a bool scalar.
       stepping: whether it closes one (the optimizer steps), a bool scalar; never
         together with ``fresh`` (a window has at least two calls).
-      every: the window's length, with ``reduction="mean"``; ``None`` for the sum.
+      divisor: what the closing call divides the sum by (``window_scale``): ``None``
+        for the sum; a Python int, the window's length (``reduction="mean"``); or an
+        array over the same parameters as ``accs`` (the weight sums, or a flushed
+        window's length).
       present: whether each parameter has a gradient in this call (``grad_mask``
         applied), a bool vector over the same parameters as ``accs``; ``None``: those
         whose gradient is not ``None``.
+      weight: ``reduction="weighted"``: this call's weight, a scalar; the gradient goes
+        in as ``acc + g * weight``. ``None`` otherwise.
     """
 
     accs: Any
     fresh: jax.Array
     stepping: jax.Array
-    every: int | None
+    divisor: Any
     present: jax.Array | None = None
+    weight: jax.Array | None = None
+
+
+def window_scale(divisor: Any, dtype: Any) -> Any:
+    """What a window's closing call multiplies its sum by, in ``dtype``: 1 (``divisor``
+    None); ``1 / every`` for a Python int, as XLA computes ``sum / every`` (times the
+    reciprocal); for an array, ``1 / divisor`` where it is positive and 0 elsewhere (a
+    parameter whose window weighs nothing: it does not step)."""
+    if divisor is None:
+        return np.asarray(1, dtype)
+    if isinstance(divisor, int):
+        return np.reciprocal(np.asarray(divisor, dtype))
+    d = jnp.asarray(divisor).astype(dtype)
+    return jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), jnp.zeros((), dtype))
 
 
 def _call(
@@ -415,10 +434,9 @@ def _call(
         if has_grad is None:
             has_grad = np.asarray([leaf[1] is not None for leaf in leaves])
         buffers += window.accs
-        # grad_accumulate's ``sum / every``, as XLA computes it: times the reciprocal
-        inv_every = np.reciprocal(np.asarray(window.every or 1, dtype))
-        scalars = [*scalars, inv_every]
-        flags = [*flags, has_grad, window.fresh, window.stepping]
+        weight = 1 if window.weight is None else window.weight
+        scalars = [*scalars, window_scale(window.divisor, dtype), weight]
+        flags = [*flags, has_grad, window.fresh, window.stepping, window.weight is not None]
     c = caster(dtype)
     scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
     flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
@@ -548,13 +566,22 @@ class FusedWindow:
                 out[i] = (param, {"step": jnp.where(active, step + one, step), **buffers}, window.accs[i])
         for indices in _batches(leaves):
             group = [leaves[i] for i in indices]
-            present = None if window.present is None else window.present[np.asarray(indices)]
-            part = window._replace(accs=[window.accs[i] for i in indices], present=present)
+            at = np.asarray(indices)
+            part = window._replace(
+                accs=[window.accs[i] for i in indices],
+                present=_pick(window.present, at),
+                divisor=_pick(window.divisor, at),
+            )
             for i, result in zip(
                 indices, self.kernel(group, hparams_of(group[0][0].dtype), static, one, part)
             ):
                 out[i] = result
         return out
+
+
+def _pick(x: Any, at: np.ndarray) -> Any:
+    # a per-parameter vector's entries for one kernel call; a static value as it is
+    return x if x is None or isinstance(x, int) else x[at]
 
 
 def window_ready(params: list[jax.Array]) -> bool:

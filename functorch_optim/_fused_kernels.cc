@@ -17,7 +17,7 @@
 // more buffer kind, after the optimizer's): a call that does not close the window only
 // adds the gradient in, one pass, and leaves params, buffers and counters as they are;
 // the call that closes it reads the accumulator and the last gradient, writes the
-// window's mean (or sum) back and steps on it, in the same pass.
+// window's mean (or sum, or weighted mean) back and steps on it, in the same pass.
 //
 // Built on first use by functorch_optim/_fused.py against ``jax.ffi.include_dir()``.
 
@@ -94,29 +94,48 @@ inline T Maximum(T a, T b) {
 }
 
 // ------------------------------------------------------------------- accumulation window
-// flags (appended to the optimizer's): [this call has a gradient, fresh, stepping]
-// scalars (appended): [1 / every] (XLA turns grad_accumulate's ``sum / every`` into a
-// multiply by the reciprocal; the sum reduction multiplies by nothing)
+// flags (appended to the optimizer's): [this call has a gradient, fresh, stepping, weighted]
+// scalars (appended): [scale, weight]: what the closing call multiplies the window's sum
+// by (1 / every for the mean: XLA turns grad_accumulate's ``sum / every`` into a multiply
+// by the reciprocal; 1 / the weight sum for the weighted mean; 1 for the sum), and the
+// weight this call's gradient is added in with (reduction "weighted" only).
+
+// A window's scalars of one parameter.
+template <typename T>
+struct WindowScalars {
+  T scale, weight;
+  bool weighted;
+};
 
 // The gradient a step reads: the call's own (kWindow false), or the window's sum with the
-// call's gradient added in, times 1/every for the mean, written back to the accumulator
-// as grad_accumulate's jitted path stores it.
+// call's gradient added in (times its weight: ``acc + g * w``, contracted as XLA does),
+// times the scale, written back to the accumulator as grad_accumulate's jitted path
+// stores it.
 template <typename T, bool kWindow, bool kHasG, bool kMean>
-inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, T inv_every) {
+inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, const WindowScalars<T>& w) {
   if (!kWindow) return g[i];
   T a = acc[i];
-  if (kHasG) a = a + g[i];
-  if (kMean) a = a * inv_every;
+  if (kHasG) a = w.weighted ? std::fma(g[i], w.weight, a) : a + g[i];
+  if (kMean) a = a * w.scale;
   acc[i] = a;
   return a;
 }
 
 // A call that does not step: the window's first call overwrites the sum
-// (``where(fresh, g, acc + g)``; without a gradient ``where(fresh, 0, acc)``).
+// (``where(fresh, g, acc + g)``, weighted ``where(fresh, 0, acc) + g * w``; without a
+// gradient ``where(fresh, 0, acc)``).
 template <typename T>
-void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh) {
+void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh,
+             const WindowScalars<T>& w) {
   if (g == nullptr) {
     if (fresh) std::fill(acc + lo, acc + hi, T(0));
+  } else if (w.weighted) {
+    const T wi = w.weight;
+    if (fresh) {
+      for (int64_t i = lo; i < hi; ++i) acc[i] = std::fma(g[i], wi, T(0));
+    } else {
+      for (int64_t i = lo; i < hi; ++i) acc[i] = std::fma(g[i], wi, acc[i]);
+    }
   } else if (fresh) {
     std::copy(g + lo, g + hi, acc + lo);
   } else {
@@ -129,11 +148,11 @@ void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, b
 // flags:   [active, weight_decay != 0, step == 1, momentum != 0]
 template <typename T, bool kWd, bool kUse, bool kWindow, bool kHasG, bool kMean>
 void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
-             T* __restrict acc, T neg_lr, T mom, T damp1, T wd, T sign, T inv_every, bool first,
+             T* __restrict acc, T neg_lr, T mom, T damp1, T wd, T sign, const WindowScalars<T>& w, bool first,
              bool nesterov) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
-    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, inv_every) * sign;
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, w) * sign;
     if (kWd) gi = std::fma(wd, pi, gi);
     if (kUse) {
       const T nb = first ? gi : std::fma(buf[i], mom, damp1 * gi);
@@ -156,10 +175,10 @@ struct AdamScalars {
 template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean>
 void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
               T* __restrict v, T* __restrict vmax, T* __restrict acc, const AdamScalars<T> c,
-              T inv_every) {
+              const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
-    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, inv_every) * c.sign;
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, w) * c.sign;
     if (kCoupled) gi = std::fma(c.wd, pi, gi);
     const T mi = m[i];
     const T diff = gi - mi;
@@ -184,10 +203,10 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
 // flags:   [active, weight_decay != 0]
 template <typename T, bool kWd, bool kWindow, bool kHasG, bool kMean>
 void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
-                 T* __restrict acc, T neg_clr, T wd, T eps, T sign, T inv_every) {
+                 T* __restrict acc, T neg_clr, T wd, T eps, T sign, const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
-    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, inv_every) * sign;
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, w) * sign;
     if (kWd) gi = std::fma(wd, pi, gi);
     const T ns = std::fma(gi, gi, sum[i]);
     sum[i] = ns;
@@ -220,9 +239,13 @@ struct Leaves {
   // parameter i's scalars and flags (flag 0: "takes this step")
   const T* scalar_row(int64_t i) const { return scalars + i * n_scalars; }
   const int32_t* flag_row(int64_t i) const { return flags + i * n_flags; }
-  // the window's flags of parameter i: [has a gradient, fresh, stepping]; its 1 / every
-  const int32_t* window_flags(int64_t i) const { return flag_row(i + 1) - 3; }
-  T inv_every(int64_t i) const { return window ? scalar_row(i + 1)[-1] : T(1); }
+  // the window's flags of parameter i: [has a gradient, fresh, stepping, weighted]; its
+  // scale and weight
+  const int32_t* window_flags(int64_t i) const { return flag_row(i + 1) - 4; }
+  WindowScalars<T> window_scalars(int64_t i) const {
+    if (!window) return {T(1), T(1), false};
+    return {scalar_row(i + 1)[-2], scalar_row(i + 1)[-1], window_flags(i)[3] != 0};
+  }
 };
 
 template <typename T>
@@ -232,7 +255,7 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
   };
   const int64_t kinds = buffers + (window ? 1 : 0);
-  if (window) n_scalars += 1, n_flags += 3;
+  if (window) n_scalars += 2, n_flags += 4;
   if (count < 1 || static_cast<int64_t>(args.size()) != (3 + kinds) * count + 2 ||
       static_cast<int64_t>(rets.size()) != (2 + kinds) * count) {
     return fail("wrong number of operands");
@@ -281,14 +304,14 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
 // call the window's mean written over the sum (the step itself is skipped).
 template <typename T>
 void WindowWork(const Leaves<T>& x, int64_t i, int64_t lo, int64_t hi) {
-  const int32_t* w = x.window_flags(i);  // has a gradient, fresh, stepping
-  if (!w[2]) return AddLoop(lo, hi, x.acc(i), x.grad[i], bool(w[1]));
-  const T inv_every = x.inv_every(i);
+  const int32_t* f = x.window_flags(i);  // has a gradient, fresh, stepping, weighted
+  const WindowScalars<T> w = x.window_scalars(i);
+  if (!f[2]) return AddLoop(lo, hi, x.acc(i), x.grad[i], bool(f[1]), w);
   WithFlags(
       [&](auto kHasG, auto kMean) {
-        for (int64_t e = lo; e < hi; ++e) StepGrad<T, true, kHasG, kMean>(e, x.grad[i], x.acc(i), inv_every);
+        for (int64_t e = lo; e < hi; ++e) StepGrad<T, true, kHasG, kMean>(e, x.grad[i], x.acc(i), w);
       },
-      x.grad[i] != nullptr, inv_every != T(1));
+      x.grad[i] != nullptr, w.scale != T(1));
 }
 
 // Runs step(leaf, lo, hi) over the elements of every active leaf, in items of kGrain, and
@@ -320,14 +343,14 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
   });
 }
 
-// The window template flags of leaf i, (window, this call has a gradient, mean), and its
-// 1 / every, for f(inv_every, flags...).
+// The window template flags of leaf i, (window, this call has a gradient, scaled), and
+// its window scalars, for f(scalars, flags...).
 template <typename T, typename F>
 void WithWindow(const Leaves<T>& x, int64_t i, F&& f) {
   const bool window = x.window;
-  const T inv_every = x.inv_every(i);
-  WithFlags([&](auto... c) { f(inv_every, c...); }, window, window && x.grad[i] != nullptr,
-            window && inv_every != T(1));
+  const WindowScalars<T> w = x.window_scalars(i);
+  WithFlags([&](auto... c) { f(w, c...); }, window, window && x.grad[i] != nullptr,
+            window && w.scale != T(1));
 }
 
 template <typename T>
@@ -335,12 +358,12 @@ void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maxi
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);  // -lr, momentum, 1 - dampening, weight_decay
     const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, step == 1, momentum != 0
-    WithWindow(x, i, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kWd, auto kUse) {
             SgdLoop<T, kWd, kUse, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i),
                                                          x.acc(i), s[0], s[1], s[2], s[3],
-                                                         maximize ? T(-1) : T(1), inv_every, bool(f[2]),
+                                                         maximize ? T(-1) : T(1), w, bool(f[2]),
                                                          nesterov);
           },
           bool(f[1]), x.buffers > 0 && f[3]);
@@ -361,12 +384,11 @@ void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool dec
     const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, |w| < 0.5
     const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
                            maximize ? T(-1) : T(1), bool(f[2])};
-    WithWindow(x, i, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kDecay, auto kCoupled, auto kAms) {
             AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean>(
-                lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i), x.buf(2, i), x.acc(i), c,
-                inv_every);
+                lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i), x.buf(2, i), x.acc(i), c, w);
           },
           decoupled && f[1], !decoupled && f[1], x.buffers == 3);
     });
@@ -379,11 +401,11 @@ void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);  // -clr, weight_decay, eps
     const int32_t* f = x.flag_row(i);  // active, weight_decay != 0
-    WithWindow(x, i, [&](T inv_every, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kWd) {
             AdagradLoop<T, kWd, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.acc(i),
-                                                       s[0], s[1], s[2], maximize ? T(-1) : T(1), inv_every);
+                                                       s[0], s[1], s[2], maximize ? T(-1) : T(1), w);
           },
           bool(f[1]));
     });

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from functorch_optim._microbatch import microbatch_grad
 from functorch_optim._tree import PyTree, check_params, keystr, leaves_with_path
 
 
@@ -252,8 +253,8 @@ def data_parallel_grad(
     r"""Loss and gradient of a batch sharded over ``axis_name``, accumulated over micro-batches.
 
     Each device takes its slice of the batch, splits it into ``micro_batches`` equal
-    micro-batches, and sums their gradients locally in a ``lax.scan`` (activations of one
-    micro-batch live at a time); the gradients are then averaged across devices with a
+    micro-batches, and sums their gradients locally in a ``lax.scan`` (``microbatch_grad``:
+    activations of one micro-batch live at a time); the gradients are then averaged across devices with a
     single ``pmean`` — one collective per optimizer step, whatever ``micro_batches`` is.
     For a loss that is a mean over examples, the result equals the gradient of the whole
     batch on one device (up to summation order):
@@ -294,24 +295,14 @@ def data_parallel_grad(
     k = micro_batches
     n = mesh.shape[axis_name]
     spec = PartitionSpec(axis_name)
+    # one device's micro-batches: the same scan as on one device
+    local_grad = microbatch_grad(loss_fn, k)
 
     def local(params, batch):
         # Marked device-varying, the params' cotangents stay local: differentiating
         # replicated (invariant) inputs would psum the gradient of every micro-batch.
         params = jax.lax.pcast(params, axis_name, to="varying")
-        chunks = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-        first = jax.tree.map(lambda x: x[0], chunks)
-        loss, grads = jax.value_and_grad(loss_fn)(params, first)
-        if k > 1:
-            rest = jax.tree.map(lambda x: x[1:], chunks)
-
-            def body(carry, chunk):
-                value, g = jax.value_and_grad(loss_fn)(params, chunk)
-                return (carry[0] + value, jax.tree.map(jnp.add, carry[1], g)), None
-
-            (loss, grads), _ = jax.lax.scan(body, (loss, grads), rest)
-            loss = loss / k
-            grads = jax.tree.map(lambda g: g / k, grads)
+        loss, grads = local_grad(params, batch)
         return jax.lax.pmean(loss, axis_name), jax.tree.map(lambda g: jax.lax.pmean(g, axis_name), grads)
 
     def fn(params, batch):

@@ -158,7 +158,7 @@ def test_inner_schedule_advances_per_optimizer_step_only():
         (0, "mean", "every must be an integer >= 1, got 0"),
         (2.5, "mean", "every must be an integer >= 1, got 2.5"),
         (True, "mean", "every must be an integer >= 1, got True"),
-        (2, "avg", "reduction must be 'mean' or 'sum', got 'avg'"),
+        (2, "avg", "reduction must be 'mean', 'sum' or 'weighted', got 'avg'"),
     ],
 )
 def test_errors(every, reduction, message):
@@ -300,3 +300,187 @@ def test_grad_mask_off_is_a_none_gradient(every, fused):
     for x, y in zip(jax.tree.leaves((p_mask, s_mask)), jax.tree.leaves((p_none, s_none))):
         assert np.array_equal(np.asarray(x), np.asarray(y))
     assert not np.array_equal(np.asarray(p_mask["b"]), np.asarray(params["b"]))
+
+
+# ------------------------------------------------------------------ reduction="weighted"
+# Micro-batches of different sizes: the step reads the gradient of the window's global
+# mean, sum_i n_i g_i / sum_i n_i, with g_i the gradient of micro-batch i's mean loss.
+
+SIZES = (3, 7, 1, 5)  # one window of 4 micro-batches, 16 examples
+
+
+def _weighted_run(tx, params, x, y, sizes, via="step", mask=None):
+    grad = jax.jit(jax.grad(_loss))
+    if via == "step":
+        step = jax.jit(lambda p, g, s, w: fo.step(tx, p, g, s, weight=w))
+    else:
+
+        @jax.jit
+        def step(p, g, s, w):
+            updates, s = tx.update(g, s, p, weight=w)
+            return optax.apply_updates(p, updates), s
+
+    state, lo = tx.init(params), 0
+    stepped = []
+    for n in sizes:
+        g = grad(params, x[lo : lo + n], y[lo : lo + n])
+        params, state = step(params, g, state, n)
+        stepped.append(bool(state.stepped))
+        lo += n
+    return params, state, stepped
+
+
+@pytest.mark.parametrize("inner", list(INNERS))
+@pytest.mark.parametrize("via", ["step", "update"])
+def test_weighted_equals_one_batch_of_the_window(inner, via):
+    rng = np.random.default_rng(1)
+    params0 = _mlp_params(rng)
+    x, y = _data(rng)
+    x, y = x[0, : sum(SIZES)], y[0, : sum(SIZES)]
+    big_tx = INNERS[inner]()
+    big, _ = fo.step(big_tx, params0, jax.grad(_loss)(params0, x, y), big_tx.init(params0))
+    tx = fo.grad_accumulate(INNERS[inner](), every=len(SIZES), reduction="weighted")
+    small, state, stepped = _weighted_run(tx, params0, x, y, SIZES, via)
+    assert stepped == [False, False, False, True]
+    assert rel_err(small, big) <= 1e-12, rel_err(small, big)
+    np.testing.assert_array_equal(state.weight_sum, [sum(SIZES)] * 4)
+    # the mean of the micro-batch means is another gradient
+    mean_tx = fo.grad_accumulate(INNERS[inner](), every=len(SIZES))
+    p, s = params0, mean_tx.init(params0)
+    lo = 0
+    for n in SIZES:
+        p, s = fo.step(mean_tx, p, jax.grad(_loss)(p, x[lo : lo + n], y[lo : lo + n]), s)
+        lo += n
+    assert rel_err(p, big) > 1e-6
+
+
+def test_weighted_none_gradients_and_grad_mask_are_over_the_calls_with_one():
+    # "b" has a gradient in calls 0 and 2 only: its step reads (w0 g0 + w2 g2) / (w0 + w2)
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+    ga = [jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0]), jnp.array([0.5, 0.5])]
+    weights = [2.0, 3.0, 5.0]
+    expect_a = sum(w * g for w, g in zip(weights, ga)) / sum(weights)
+    expect_b = (2.0 * ga[0] + 5.0 * ga[2]) / 7.0
+    for masked in (False, True):
+        tx = fo.grad_accumulate(fo.sgd(lr=1.0), every=3, reduction="weighted")
+        p, s = params, tx.init(params)
+        for k, (g, w) in enumerate(zip(ga, weights)):
+            if masked:
+                mask = {"a": jnp.array(True), "b": jnp.array(k != 1)}
+                p, s = fo.step(tx, p, {"a": g, "b": g}, s, weight=w, grad_mask=mask)
+            else:
+                p, s = fo.step(tx, p, {"a": g, "b": None if k == 1 else g}, s, weight=w)
+        np.testing.assert_allclose(p["a"], -expect_a, rtol=1e-6)
+        np.testing.assert_allclose(p["b"], -expect_b, rtol=1e-6)
+        np.testing.assert_allclose(s.weight_sum, [10.0, 7.0])
+
+
+def test_weighted_window_of_zero_weight_does_not_step():
+    tx = fo.grad_accumulate(fo.sgd(lr=1.0, momentum=0.9), every=2, reduction="weighted")
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    step = jax.jit(lambda p, g, s, w: fo.step(tx, p, g, s, weight=w))
+    g = {"w": jnp.full(3, 2.0)}
+    for _ in range(2):
+        params, state = step(params, g, state, 0.0)
+    assert not bool(state.stepped) and int(state.gradient_step) == 0 and int(state.mini_step) == 0
+    np.testing.assert_array_equal(params["w"], np.ones(3))
+    assert int(state.inner_state.step["w"]) == 0
+    # the next window weighs: it steps on its own gradients only
+    params, state = step(params, g, state, 0.0)
+    params, state = step(params, {"w": jnp.full(3, 4.0)}, state, 2.0)
+    assert bool(state.stepped) and int(state.gradient_step) == 1
+    np.testing.assert_allclose(params["w"], np.full(3, -3.0))
+
+
+def test_weighted_bf16_accumulates_in_float32():
+    params = {"w": jnp.zeros(4, jnp.bfloat16)}
+    tx = fo.grad_accumulate(fo.sgd(lr=1.0), every=256, reduction="weighted")
+    state = tx.init(params)
+    assert state.acc_grads["w"].dtype == jnp.float32 and state.weight_sum.dtype == jnp.float32
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s, weight=3.0))
+    small = {"w": jnp.full(4, 1e-2, jnp.bfloat16)}
+    for _ in range(255):
+        params, state = step(params, small, state)
+    expected = 255 * 3 * float(jnp.asarray(1e-2, jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(state.acc_grads["w"]), expected, rtol=1e-6)
+
+
+def test_weighted_errors():
+    params = {"w": jnp.zeros(2)}
+    g = {"w": jnp.ones(2)}
+    tx = fo.grad_accumulate(fo.sgd(lr=0.1), every=2, reduction="weighted")
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"every call needs weight= \(the micro-batch's number of tokens"):
+        fo.step(tx, params, g, state)
+    with pytest.raises(ValueError, match=r"weight must be a finite number >= 0, got -1.0"):
+        fo.step(tx, params, g, state, weight=-1.0)
+    with pytest.raises(ValueError, match=r"weight must be a scalar, got an array of shape \(2,\)"):
+        fo.step(tx, params, g, state, weight=jnp.ones(2))
+    # under jit nothing raises: a negative weight poisons the window's weight sum, and the
+    # window closes without a step
+    step = jax.jit(lambda p, s, w: fo.step(tx, p, g, s, weight=w))
+    p, s = step(params, state, -2.0)
+    p, s = step(p, s, 3.0)
+    assert not bool(s.stepped) and int(s.gradient_step) == 0 and np.isnan(np.asarray(s.weight_sum)).all()
+    np.testing.assert_array_equal(p["w"], params["w"])
+    mean_tx = fo.grad_accumulate(fo.sgd(lr=0.1), every=2)
+    with pytest.raises(ValueError, match=r"weight= needs reduction='weighted', this one has 'mean'"):
+        fo.step(mean_tx, params, g, mean_tx.init(params), weight=1.0)
+
+
+# ------------------------------------------------------------------------------ flush
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "weighted"])
+@pytest.mark.parametrize("fused", [False, True], ids=["jitted", "fused"])
+def test_flush_equals_a_window_of_its_real_length(reduction, fused):
+    # 5 calls with every=3: one full window, then a flushed window of 2 -- the same bits as
+    # every=2 for that window
+    params = {"a": jnp.linspace(-1.0, 1.0, 7), "b": jnp.linspace(0.5, 2.0, 3)}
+    grads = lambda k: {
+        "a": jnp.sin(params["a"] * (k + 1.5)),
+        "b": None if k == 3 else jnp.cos(params["b"] * k),
+    }
+    make = lambda every: fo.grad_accumulate(fo.adam(lr=0.1, fused=fused), every, reduction)
+    extra = lambda k: {"weight": float(k + 1)} if reduction == "weighted" else {}
+    tx = make(3)
+    step = jax.jit(lambda p, g, s, e: fo.step(tx, p, g, s, **e))
+    flush = jax.jit(lambda p, s: fo.flush(tx, p, s))
+    p, s = params, tx.init(params)
+    for k in range(5):
+        p, s = step(p, grads(k), s, extra(k))
+    assert int(s.mini_step) == 2 and int(s.gradient_step) == 1
+    p, s = flush(p, s)
+    assert bool(s.stepped) and int(s.mini_step) == 0 and int(s.gradient_step) == 2
+    # the reference: every=3 for the first window, then the same state continued with every=2
+    ref3, ref2 = make(3), make(2)
+    step3 = jax.jit(lambda p, g, s, e: fo.step(ref3, p, g, s, **e))
+    step2 = jax.jit(lambda p, g, s, e: fo.step(ref2, p, g, s, **e))
+    q, r = params, ref3.init(params)
+    for k in range(3):
+        q, r = step3(q, grads(k), r, extra(k))
+    r2 = ref2.init(params)._replace(inner_state=r.inner_state)
+    for k in (3, 4):
+        q, r2 = step2(q, grads(k), r2, extra(k))
+    ours, ref = (p, s.inner_state, s.acc_grads, s.has_grad), (q, r2.inner_state, r2.acc_grads, r2.has_grad)
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(p["b"]), np.asarray(params["b"]))
+    # an empty window: nothing changes
+    p2, s2 = flush(p, s)
+    for x, y in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((p, s))):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    # the next call opens a new window
+    p, s = step(p, grads(6), s, extra(6))
+    assert int(s.mini_step) == 1 and not bool(s.stepped)
+
+
+def test_flush_errors_and_every_one():
+    with pytest.raises(ValueError, match="flush: tx is not a grad_accumulate transformation, got"):
+        fo.flush(fo.sgd(lr=0.1), {"w": jnp.zeros(1)}, None)
+    tx = fo.grad_accumulate(fo.sgd(lr=1.0), every=1)
+    params = {"w": jnp.zeros(1)}
+    params, state = fo.step(tx, params, {"w": jnp.ones(1)}, tx.init(params))
+    p, s = fo.flush(tx, params, state)
+    assert p is params and s is state

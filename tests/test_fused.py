@@ -348,6 +348,43 @@ def test_window_over_many_parameters_is_split_into_bounded_calls():
     assert len(re.findall(r"fo_sgd", text)) == 2
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize(("name", "factory", "config"), CASES[::5], ids=[c[0] for c in CASES[::5]])
+def test_weighted_window_calls_are_bit_identical_to_the_jitted_path(name, factory, config, dtype):
+    # each call's gradient goes in times its weight, inside the kernel; a zero weight and
+    # None gradients included; then a flush of a partial window
+    params = {**_params(dtype), "late": jnp.linspace(-1, 1, 7, dtype=dtype)}
+    weights = [3.0, 0.0, 7.0, 1.0, 2.5, 4.0, 1.0]
+
+    def run(fused):
+        tx = fo.grad_accumulate(factory(**config, fused=fused), 3, "weighted")
+        p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+        step = jax.jit(lambda p, g, s, w: fo.step(tx, p, g, s, weight=w))
+        trail = []
+        for k, w in enumerate(weights):
+            p, s = step(p, _window_grads(p, k), s, w)
+            trail.append((p, s))
+        trail.append(jax.jit(lambda p, s: fo.flush(tx, p, s))(p, s))
+        return trail
+
+    for a, b in zip(run(True), run(False)):
+        _assert_same_bits(a, b)
+
+
+def test_a_weighted_window_call_is_one_in_place_kernel_call():
+    params = {k: v for k, v in _params(jnp.float32).items() if k not in ("none", "empty")}
+    tx = fo.grad_accumulate(fo.adam(lr=0.1, fused=True), every=4, reduction="weighted")
+    state = tx.init(params)
+    fn = jax.jit(lambda p, g, s, w: fo.step(tx, p, g, s, weight=w), donate_argnums=(0, 2), keep_unused=True)
+    compiled = fn.lower(params, params, state, 3.0).compile()
+    text = compiled.as_text()
+    assert len(re.findall(r"custom-call\(", text)) == 1
+    assert len(re.findall(r"custom_call_target=\"fo_adam\"", text)) == 1
+    assert not re.search(r" (while|conditional)\(", text)
+    assert unaliased_paths(compiled, (params, params, state), (0, 2)) == []
+    assert compiled.memory_analysis().temp_size_in_bytes < 4096
+
+
 def test_the_kernel_build_says_what_it_is_waiting_for(tmp_path):
     # a fresh cache: the build runs (seconds) and announces itself on stderr
     import os
