@@ -142,44 +142,16 @@ def inapplicable_error(case: ErrorCase) -> str | None:
     return None
 
 
-_DIFFERENTIABLE_STEP = (
-    "torch keeps step (NAdam: also mu_product) as a float32 tensor under differentiable=True, "
-    "for float64 parameters too"
-)
 _TENSOR_LR_PRODUCT = "with a tensor lr torch computes {} in float32"
-_TWO_ELEMENT_LR = (
-    "a 2-element lr: torch raises ValueError('Tensor lr must be 1-element'), the library a TypeError"
-)
 
-#: Configurations the library does not match yet, (optimizer, desc, dtype) -> why; the
-#: fixes are under way. Each is a strict xfail: remove its entry once it passes.
+#: Configurations the library does not match yet, (optimizer, desc, dtype) -> why. Each is a strict xfail: remove its entry once it passes.
 PENDING_CONFIGS: dict[tuple[str, str, str], str] = {
-    **{
-        (name, f"{desc} & differentiable", "float64"): _DIFFERENTIABLE_STEP
-        for name in ("Adam", "AdamW")
-        for desc in ("default", "non-default lr", "nonzero weight_decay", "maximize", "amsgrad")
-    },
-    **{
-        ("NAdam", f"{desc} & differentiable", "float64"): _DIFFERENTIABLE_STEP
-        for desc in (
-            "default",
-            "non-default lr",
-            "non-zero momentum_decay",
-            "weight_decay",
-            "weight_decay, momentum_decay",
-            "decoupled_weight_decay",
-            "maximize",
-        )
-    },
     ("Muon", "Tensor lr", "float64"): _TENSOR_LR_PRODUCT.format("the adjusted lr"),
     ("SparseAdam", "Tensor lr", "float64"): _TENSOR_LR_PRODUCT.format("the step size"),
 }
 
 #: Error inputs the library does not match yet, (optimizer, desc) -> why (strict xfails, as above).
-PENDING_ERRORS: dict[tuple[str, str], str] = {
-    (name, "Tensor lr must be 1-element"): _TWO_ELEMENT_LR
-    for name in ("SGD", "Adafactor", "Muon", "SparseAdam", "LBFGS")
-}
+PENDING_ERRORS: dict[tuple[str, str], str] = {}
 
 
 def _pending(key: tuple, table: Mapping[tuple, str]) -> list[Any]:
