@@ -1300,7 +1300,7 @@ def test_facades_whose_schedules_differ_in_structure_do_not_share_a_step():
 def test_a_schedule_holding_user_code_is_never_shared():
     # the lambda reads a variable that changes between two builds: each facade traces it anew
     factor = {"value": 0.5}
-    fn = lambda e: factor["value"] ** e  # noqa: E731
+    fn = lambda e: factor["value"] ** e
     params = []
     for value in (0.5, 0.25):
         factor["value"] = value

@@ -144,7 +144,8 @@ def inapplicable_error(case: ErrorCase) -> str | None:
 
 _TENSOR_LR_PRODUCT = "with a tensor lr torch computes {} in float32"
 
-#: Configurations the library does not match yet, (optimizer, desc, dtype) -> why. Each is a strict xfail: remove its entry once it passes.
+#: Configurations the library does not match yet, (optimizer, desc, dtype) -> why. Each is a
+#: strict xfail: remove its entry once it passes.
 PENDING_CONFIGS: dict[tuple[str, str, str], str] = {
     ("Muon", "Tensor lr", "float64"): _TENSOR_LR_PRODUCT.format("the adjusted lr"),
     ("SparseAdam", "Tensor lr", "float64"): _TENSOR_LR_PRODUCT.format("the step size"),
