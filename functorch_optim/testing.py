@@ -570,7 +570,8 @@ class _TorchRunner:
         return np.asarray(value)
 
 
-def _run(spec, config, dtype_name, runner, torch_runner, feed, names, changes) -> ParityReport:
+def _run(spec, config, dtype_name, runner, torch_runner, feed, names, changes=None) -> ParityReport:
+    changes = changes or {}
     treedef = torch_runner.treedef
     paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
     records: list[LeafError] = []

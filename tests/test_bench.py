@@ -76,10 +76,13 @@ def test_accumulate_rows_have_every_contender(result):
     rows = result["json"]["accumulate"]
     assert len(rows) == 2
     layouts = ("fo", "fo fused", "fo flat")
-    steps = {f"{prefix} {kind} step" for prefix in layouts for kind in ("micro", "window", "plain")}
+    kinds = ("micro", "weighted micro", "window", "plain")
+    steps = {f"{prefix} {kind} step" for prefix in layouts for kind in kinds}
     names = steps | {
         "bare acc+g",
         "bare flat acc+g",
+        "bare acc+w*g",
+        "bare flat acc+w*g",
         "optax MultiSteps micro-step",
         "torch grad.add_",
         "ceiling jax",
@@ -90,6 +93,7 @@ def test_accumulate_rows_have_every_contender(result):
         assert all(_finite_positive(v) for v in row["times_ms"].values())
         window_parts = {f"{prefix} (window - micro)/plain" for prefix in layouts}
         assert window_parts < set(row["ratios"])
+        assert {f"{prefix} weighted micro/bare" for prefix in layouts} < set(row["ratios"])
         # a difference of two noisy times: finite, not necessarily positive
         assert all(math.isfinite(row["ratios"][k]) for k in window_parts)
         assert all(_finite_positive(v) for k, v in row["ratios"].items() if k not in window_parts)
