@@ -195,27 +195,6 @@ def test_facade_passes_fused_through():
     _assert_same_bits(out[1], out[0])
 
 
-def test_a_missing_compiler_is_reported(monkeypatch):
-    monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(_fused.shutil, "which", lambda name: None)
-    with pytest.raises(
-        RuntimeError,
-        match="needs a C",
-    ):
-        _fused._compiler()
-
-
-def test_kernel_library_is_cached_by_source_toolchain_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("FUNCTORCH_OPTIM_CACHE", str(tmp_path))
-    target = "-march=rocketlake -mavx512f"
-    path = _fused.library_path("/usr/bin/c++", _fused._FLAGS, target)
-    assert path.parent == tmp_path and re.fullmatch(r"fused_kernels-[0-9a-f]{16}\.so", path.name)
-    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS, target) == path  # stable
-    assert _fused.library_path("/usr/bin/clang++", _fused._FLAGS, target) != path
-    assert _fused.library_path("/usr/bin/c++", (*_fused._FLAGS, "-O2"), target) != path
-    assert _fused.library_path("/usr/bin/c++", _fused._FLAGS, "-march=skylake -mno-avx512f") != path
-
-
 def test_mixed_dtypes_one_call_per_kernel_dtype():
     params = {
         "a": _params(jnp.float32)["w"],
