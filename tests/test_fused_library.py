@@ -123,7 +123,12 @@ def _run(root: Path, tmp_path: Path, cases: str = "one") -> dict:
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, cases], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", CHILD, cases],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     # a negative code is the signal that killed the process (-7 SIGBUS, -4 SIGILL)
     assert proc.returncode == 0, f"the process died with code {proc.returncode}:\n{proc.stderr[-3000:]}"
