@@ -10,7 +10,7 @@ import optax
 
 from functorch_optim._base import STEP_ATTR, WINDOW_ATTR
 from functorch_optim._base import step as _step
-from functorch_optim._fused import Window, window_ready
+from functorch_optim._fused import Window, kernel_or_rule
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
@@ -221,14 +221,14 @@ def grad_accumulate(
     def run(grads, state, params, carry, step, mask, fused=None):
         """Add the gradient in; on the window's closing call, ``step`` on the mean.
         ``mask``: the call's ``grad_mask``, one flag per leaf, or None.
-        ``fused(carry, acc, fresh, stepping, seen, all_seen, present) -> (carry, acc)``:
+        ``fused(carry, acc, grads, fresh, stepping, seen, all_seen, present) -> (carry, acc)``:
         the same as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
         present = present_of(grads, mask)
         seen, all_seen = flags(state, fresh, present)
 
-        def jitted(carry, acc):
+        def jitted(carry, acc, grads):
             acc = add_in(grads, acc, fresh, mask)
             if reduction == "mean":
                 # the closing call overwrites the sum with the mean, in the pass that adds
@@ -252,25 +252,27 @@ def grad_accumulate(
             acc = state.acc_grads
             carry = step(carry, as_param_dtype(given(grads, acc, mask), params), seen, all_seen)
         elif fused is not None:
-            carry, acc = jax.lax.platform_dependent(
+            # the kernel on the CPU; the jitted path elsewhere and for derivatives
+            carry, acc = kernel_or_rule(
+                lambda c, a, g: fused(c, a, g, fresh, stepping, seen, all_seen, present),
+                jitted,
                 carry,
                 state.acc_grads,
-                cpu=lambda c, a: fused(c, a, fresh, stepping, seen, all_seen, present),
-                default=jitted,
+                grads,
             )
         else:
-            carry, acc = jitted(carry, state.acc_grads)
+            carry, acc = jitted(carry, state.acc_grads, grads)
         mini = jnp.where(stepping, 0, state.mini_step + 1).astype(jnp.int32)
         count = state.gradient_step + stepping.astype(jnp.int32)
         return carry, lambda inner: GradAccumulateState(mini, count, acc, seen, inner)
 
-    def fused_window(grads, params):
+    def fused_window(params):
         """The kernel path of ``step_fn``, where every parameter can take it."""
-        if window_step is None or not window_ready(jax.tree.leaves(params)):
+        if window_step is None or not window_step.ready(jax.tree.leaves(params)):
             return None
         treedef = jax.tree.structure(params)
 
-        def fused(carry, acc, fresh, stepping, seen, all_seen, present):
+        def fused(carry, acc, grads, fresh, stepping, seen, all_seen, present):
             params, inner = carry
             active = treedef.unflatten(
                 [stepping if all_seen else stepping & seen[i] for i in range(treedef.num_leaves)]
@@ -321,7 +323,7 @@ def grad_accumulate(
             return _step(tx, params, mean, inner, **kwargs)
 
         carry = (params, state.inner_state)
-        (params, inner), new_state = run(grads, state, params, carry, step, mask, fused_window(grads, params))
+        (params, inner), new_state = run(grads, state, params, carry, step, mask, fused_window(params))
         return params, new_state(inner)
 
     setattr(update, STEP_ATTR, step_fn)

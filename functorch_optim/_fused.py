@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from functorch_optim._base import Algorithm, rule_step
 from functorch_optim._torch_ops import caster, step_as_float
@@ -277,15 +278,59 @@ def _call(
     ]
 
 
-def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorithm:
+def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False) -> Algorithm:
     """``algorithm`` with ``kernel`` as its ``fused_step``. Loads the kernel library now,
     so that a missing one is reported (one warning) at construction; without it the
-    fused step runs the jitted rule. (torch's "floating point params only" check for
-    ``fused`` is every optimizer's here.)"""
+    fused step runs the jitted rule. ``auto`` (``fused=None``): not where several CPU
+    devices could shard the step either (``_kernels_apply``). (torch's "floating point
+    params only" check for ``fused`` is every optimizer's here.)"""
     load_kernels()
     return dataclasses.replace(
-        algorithm, fused_step=FusedStep(kernel, algorithm), fused_window=FusedWindow(kernel)
+        algorithm, fused_step=FusedStep(kernel, algorithm, auto), fused_window=FusedWindow(kernel, auto)
     )
+
+
+def _kernels_apply(auto: bool) -> bool:
+    """Whether a step traced now takes the kernels: the library is loaded, and for the
+    default (``auto``) the process has one CPU device. With several, automatic (SPMD)
+    sharding may split the parameters, which a trace cannot see, and the kernel has no
+    partitioning rule (XLA would gather every parameter onto every device), so the
+    default runs the jitted rule there; ``fused=True`` still takes the kernel."""
+    return load_kernels() is not None and not (auto and jax.device_count("cpu") > 1)
+
+
+def kernel_or_rule(kernel: Callable[..., Any], rule: Callable[..., Any], *args: Any) -> Any:
+    """``kernel(*args)`` on the CPU and ``rule(*args)`` elsewhere (``jax.lax.platform_dependent``),
+    differentiable: its JVP (and so ``jax.grad``, ``jax.jvp``, ``jax.hessian``) is ``rule``'s,
+    as the kernel call has no derivative and the two give the same bits. ``args`` are
+    pytrees; their array leaves are the function's arguments (what is differentiated), any
+    other leaf (a Python number, a flag) a constant."""
+    leaves, treedef = jax.tree.flatten(args)
+    is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+
+    def rebuild(arrays):
+        it = iter(arrays)
+        return treedef.unflatten([next(it) if a else x for x, a in zip(leaves, is_array)])
+
+    @jax.custom_jvp
+    def run(*arrays):
+        return jax.lax.platform_dependent(*rebuild(arrays), cpu=kernel, default=rule)
+
+    @functools.partial(run.defjvp, symbolic_zeros=True)
+    def run_jvp(primals, tangents):
+        # only the arguments that carry a tangent are differentiated: the others stay
+        # constants, as in the rule's own derivative (a zero tangent made explicit would
+        # add ``0 * x`` terms that XLA contracts differently)
+        live = [not isinstance(t, SymbolicZero) for t in tangents]
+
+        def of_live(*values):
+            it = iter(values)
+            return rule(*rebuild([next(it) if on else p for p, on in zip(primals, live)]))
+
+        pick = lambda xs: tuple(x for x, on in zip(xs, live) if on)
+        return jax.jvp(of_live, pick(primals), pick(tangents))
+
+    return run(*[x for x, a in zip(leaves, is_array) if a])
 
 
 def _explicitly_sharded(x: jax.Array) -> bool:
@@ -323,6 +368,7 @@ class FusedStep:
 
     kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]
     algorithm: Algorithm
+    auto: bool = False  # fused=None: see _kernels_apply
 
     def __call__(
         self, leaves: list[Leaf], hparams_of, static, one: jax.Array
@@ -330,7 +376,7 @@ class FusedStep:
         kernel, algorithm = self.kernel, self.algorithm
         # load_kernels registers the targets (also in a process that unpickled this step);
         # without the library every parameter takes the rule
-        loaded = load_kernels() is not None
+        loaded = _kernels_apply(self.auto)
         out: list[Any] = [None] * len(leaves)
         for i, leaf in enumerate(leaves):
             if not (loaded and kernel_leaf(leaf[0])):
@@ -340,14 +386,12 @@ class FusedStep:
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
             hp = hparams_of(group[0][0].dtype)
-            results = jax.lax.platform_dependent(
+            results = kernel_or_rule(
+                lambda g, h, one: kernel(g, h, static, one),
+                lambda g, h, one: [rule_step(algorithm, leaf, lambda _: h, static, one) for leaf in g],
                 group,
                 hp,
                 one,
-                cpu=lambda g, h, one: kernel(g, h, static, one),
-                default=lambda g, h, one: [
-                    rule_step(algorithm, leaf, lambda _: h, static, one) for leaf in g
-                ],
             )
             for i, result in zip(indices, results):
                 out[i] = result
@@ -360,11 +404,18 @@ class FusedWindow:
     ``kernel`` (a value, like ``FusedStep``)."""
 
     kernel: Callable[..., list]
+    auto: bool = False  # fused=None: see _kernels_apply
+
+    def ready(self, params: list[jax.Array]) -> bool:
+        """Whether this can take a call over ``params``: the kernels apply and every
+        non-empty parameter is a kernel leaf (otherwise grad_accumulate runs the jitted
+        path)."""
+        return _kernels_apply(self.auto) and all(kernel_leaf(p) or not p.size for p in params)
 
     def __call__(
         self, leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]:
-        # every non-empty parameter is a kernel leaf (``window_ready``); an empty one
+        # every non-empty parameter is a kernel leaf (``ready``); an empty one
         # has nothing to update but its step counter
         out: list[Any] = [None] * len(leaves)
         for i, (param, _, buffers, step, active) in enumerate(leaves):
@@ -379,13 +430,6 @@ class FusedWindow:
             ):
                 out[i] = result
         return out
-
-
-def window_ready(params: list[jax.Array]) -> bool:
-    """Whether ``fused_window`` can take a call over ``params``: every non-empty one is
-    a kernel leaf and the kernels are loaded (otherwise grad_accumulate runs the jitted
-    path)."""
-    return load_kernels() is not None and all(kernel_leaf(p) or not p.size for p in params)
 
 
 def sgd_kernel(
