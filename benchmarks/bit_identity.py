@@ -1,4 +1,4 @@
-"""Before/after bit-identity check of every registered optimizer (speed work, issue 7).
+"""Before/after bit-identity check of every registered optimizer (the speed work).
 
 A restructured step must give the same bits as before, in float32 and float64. Dump the
 results of one checkout, change the code, dump again, compare::

@@ -32,7 +32,8 @@ from functorch_optim._clip import (
     get_total_norm,
 )
 from functorch_optim._flat import ravel_by_dtype
-from functorch_optim._hyperparams import HParams, get_hparams, set_hparams
+from functorch_optim._groups import param_groups
+from functorch_optim._hyperparams import HParams, ParamGroupsState, get_hparams, set_hparams
 from functorch_optim._jit import jit_step
 from functorch_optim._nadam import nadam
 from functorch_optim._nonfinite import SkipNonfiniteState, all_finite, skip_nonfinite
@@ -45,6 +46,7 @@ from functorch_optim._sharding import data_parallel_grad, state_shardings
 
 # the torch.optim-shaped facade, a subpackage (imported last: it builds on the above)
 from functorch_optim import optim  # isort: skip
+from functorch_optim import nn  # isort: skip
 from functorch_optim._lbfgs import LBFGSState, lbfgs, lbfgs_step
 from functorch_optim._muon import muon
 from functorch_optim._sparse_adam import sparse_adam
@@ -61,6 +63,7 @@ __all__ = [
     "HParams",
     "LBFGSState",
     "LossScaleState",
+    "ParamGroupsState",
     "SkipNonfiniteState",
     "TorchAssertionError",
     "TorchState",
@@ -92,7 +95,9 @@ __all__ = [
     "lbfgs_step",
     "muon",
     "nadam",
+    "nn",
     "optim",
+    "param_groups",
     "radam",
     "ravel_by_dtype",
     "rmsprop",

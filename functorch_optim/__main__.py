@@ -19,6 +19,15 @@ SUBCOMMANDS: list[tuple[str, str]] = [
 ]
 
 
+#: optional dependencies a subcommand may import: module -> how to install it
+OPTIONAL = {
+    "torch": "pip install 'functorch_optim[torch]'",
+    "tqdm": "pip install tqdm (or 'functorch_optim[test]')",
+    "matplotlib": "pip install matplotlib (or 'functorch_optim[test]')",
+    "orbax": "pip install 'functorch_optim[checkpoint]'",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
@@ -32,9 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit status."""
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit status.
+
+    A missing optional dependency (``OPTIONAL``) ends the subcommand with a line saying
+    what to install and exit status 2, not a traceback.
+    """
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in OPTIONAL:
+            raise
+        print(
+            f"functorch-optim {args.command}: needs {missing}, which is not installed; {OPTIONAL[missing]}",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

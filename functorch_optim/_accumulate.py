@@ -12,7 +12,7 @@ from functorch_optim._base import STEP_ATTR, WINDOW_ATTR
 from functorch_optim._base import step as _step
 from functorch_optim._fused import Window, kernel_or_rule
 from functorch_optim._sharding import sharded_init
-from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
+from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
 
 class GradAccumulateState(NamedTuple):
@@ -130,6 +130,13 @@ def grad_accumulate(
       >>> params["w"].tolist(), bool(state.stepped)
       ([-2.0], True)
 
+    Gradient clipping goes *inside*: ``grad_accumulate(optax.chain(
+    clip_grad_norm_transform(max_norm), tx), every=k)``. torch clips once per optimizer
+    step, the gradient accumulated over the ``k`` ``backward()`` calls (``clip_grad_norm_``
+    between the last ``backward()`` and ``step()``); the chain inside runs only on the
+    closing call, on the window's mean. A clip outside would scale each micro-batch's
+    gradient by its own norm, which is not torch's run (and not one large batch's).
+
     Note:
       A parameter whose gradient is ``None`` in every call of a window is skipped by the
       step (its value and, for this package's optimizers, its state stay unchanged), as
@@ -158,7 +165,7 @@ def grad_accumulate(
     extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def init(params: PyTree) -> GradAccumulateState:
-        check_params(params)
+        check_params(params, allow_empty=True)
         return GradAccumulateState(
             mini_step=jnp.zeros((), jnp.int32),
             gradient_step=jnp.zeros((), jnp.int32),
@@ -167,10 +174,10 @@ def grad_accumulate(
             inner_state=tx.init(params),
         )
 
-    def present_of(grads, mask):
+    def present_of(params, grads, mask):
         # which parameters have a gradient in this call, one bool per leaf: static (None
         # leaves), with a grad_mask one operation for all; None when every one has
-        present = [g is not None for g in jax.tree.leaves(grads, is_leaf=is_none)]
+        present = [g is not None for g in jax.tree.structure(params).flatten_up_to(grads)]
         if mask is None:
             return None if all(present) else jnp.asarray(present, bool)
         return jnp.asarray(present, bool) & jnp.stack([jnp.asarray(m, bool) for m in mask])
@@ -225,7 +232,7 @@ def grad_accumulate(
         the same as one kernel call, taken on the CPU."""
         fresh = state.mini_step == 0
         stepping = state.mini_step + 1 >= every
-        present = present_of(grads, mask)
+        present = present_of(params, grads, mask)
         seen, all_seen = flags(state, fresh, present)
 
         def jitted(carry, acc, grads):
@@ -286,7 +293,7 @@ def grad_accumulate(
     def call_mask(params, extra_args):
         # a grad_mask leaf that is off: that parameter has no gradient in this call
         mask = extra_args.get("grad_mask")
-        return None if mask is None else jax.tree.structure(params).flatten_up_to(mask)
+        return None if mask is None else grad_mask_leaves(params, mask)
 
     def update(grads, state, params=None, **extra_args):
         if params is None:
@@ -302,7 +309,10 @@ def grad_accumulate(
             else:
                 updates, inner = tx.update(mean, inner, params)
             updates = jax.tree.map(
-                lambda u, p: jnp.zeros_like(p) if u is None else u, updates, params, is_leaf=is_none
+                lambda u, p: u if u is not None or p is None else jnp.zeros_like(p),
+                updates,
+                params,
+                is_leaf=is_none,
             )
             return updates, inner
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_eps, check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._checks import check_eps, check_lr, check_weight_decay
 from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
 
 
@@ -146,5 +146,5 @@ def adadelta(
       Mirrors ``torch.optim.Adadelta`` (``_single_tensor_adadelta``).
     """
     del foreach, capturable, differentiable
-    hparams = {"lr": squeeze_lr(lr), "rho": rho, "eps": eps, "weight_decay": weight_decay}
+    hparams = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
     return make_optimizer(ADADELTA_ALGORITHM, hparams, {"maximize": bool(maximize)})

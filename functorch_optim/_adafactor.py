@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._torch_ops import lerp_formula, signed_grad
+from functorch_optim._torch_ops import lerp_formula, py_max, py_min, signed_grad
 from functorch_optim._tree import opmath_dtype
 
 
@@ -19,7 +19,7 @@ def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     del static
     lr, beta2_decay, (eps1, eps2) = hp["lr"], hp["beta2_decay"], hp["eps"]
     d, weight_decay = hp["d"], hp["weight_decay"]
-    if not lr >= 0.0:
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
     if not beta2_decay <= 0.0:
         raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
@@ -57,9 +57,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # torch does these scalars in Python floats (step_t.item(), param.norm().item())
     step_f = step.astype(hdt)
     one_minus_beta2_t = step_f**beta2_decay
-    rho_t = jnp.minimum(lr, 1 / step_f**0.5)
+    rho_t = py_min(lr, 1 / step_f**0.5)
     rms = jnp.sqrt(jnp.sum(p * p)).astype(hdt) / math.sqrt(param.size)
-    alpha = jnp.maximum(eps2, rms) * rho_t
+    # Python's max: a NaN (or NaN-producing) norm gives eps2, as in torch
+    alpha = py_max(eps2, rms) * rho_t
 
     # torch: ``if weight_decay != 0: param.mul_(1 - lr * weight_decay)``
     p = jnp.where(wd != 0, p * (1 - lr * wd).astype(ct), p)
@@ -86,7 +87,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # torch: var_estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
     update = 1 / jnp.sqrt(jnp.maximum(var_estimate, (eps1 * eps1).astype(ct))) * g
     update_rms = jnp.sqrt(jnp.sum(update * update)).astype(hdt)
-    denom = jnp.maximum(1.0, update_rms / (math.sqrt(param.size) * d))
+    # Python's max: a NaN update norm gives 1 (only the NaN elements of the update
+    # reach the parameter), where jnp.maximum would turn the whole tensor NaN
+    denom = py_max(jnp.ones((), hdt), update_rms / (math.sqrt(param.size) * d))
     new_param = p + (-alpha / denom).astype(ct) * update
     return new_param.astype(dtype), out
 

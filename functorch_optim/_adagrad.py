@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_eps, check_fused_flags, check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._checks import check_eps, check_fused_flags, check_lr, check_weight_decay
 from functorch_optim._fused import adagrad_kernel, fused_algorithm
 from functorch_optim._hyperparams import to_python
 from functorch_optim._torch_ops import op_casts, signed_grad
@@ -152,7 +152,7 @@ def adagrad(
       Stochastic Optimization", JMLR 2011. Mirrors ``torch.optim.Adagrad``
       (``_single_tensor_adagrad``).
     """
-    hparams = {"lr": squeeze_lr(lr), "lr_decay": lr_decay, "weight_decay": weight_decay, "eps": eps}
+    hparams = {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay, "eps": eps}
     static = {
         "maximize": bool(maximize),
         "initial_accumulator_value": to_python(initial_accumulator_value),

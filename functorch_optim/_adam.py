@@ -25,6 +25,7 @@ from functorch_optim._checks import (
 from functorch_optim._fused import adam_kernel, fused_algorithm
 from functorch_optim._torch_ops import (
     caster,
+    rdiv,
     signed_grad,
     step_as_float,
 )
@@ -91,8 +92,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     decayed_sq = (c(buffers["exp_avg_sq"]) * hp["beta2"]).astype(dtype)
     exp_avg_sq = (c(decayed_sq) + hp["one_minus_beta2"] * c(grad) * c(grad)).astype(dtype)
     out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    # torch: scalars from ``step`` as a Python float, i.e. in double
     lr, (beta1, beta2) = hp["lr"], hp["betas"]
+    if static["differentiable"]:
+        return _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, static, out)
+    # torch: scalars from ``step`` as a Python float, i.e. in double
     t = step_as_float(step, hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
@@ -110,6 +113,35 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # param.addcdiv_(exp_avg, denom, value=-step_size): (value * t1) / t2 on CPU
     new_param = (c(param) + c(-step_size) * c(exp_avg) / c(denom)).astype(dtype)
     return new_param, out
+
+
+def _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, static, out):
+    """torch's ``differentiable=True`` branch: the bias corrections and step size are
+    tensors computed from the ``step`` tensor, in torch's default dtype (float32), and
+    the update is ``param.addcdiv_(exp_avg, v.sqrt() / (sqrt(bc2) * -step_size) + eps /
+    -step_size)``; a tensor ``lr`` (given as an array, float64) makes the step size and
+    what follows float64 (torch's promotion)."""
+    c = caster(dtype)
+    f32 = jnp.float32  # torch's default dtype, which holds ``step``
+    (beta1, beta2), t = hp["betas"], step.astype(f32)
+    # ``beta ** step``: a Python double to the power of a float32 tensor, in float32
+    bias_correction1 = 1 - beta1.astype(f32) ** t
+    bias_correction2 = 1 - beta2.astype(f32) ** t
+    if static["tensor_lr"]:
+        # a tensor lr (float64): tensor / tensor, promoted to lr's dtype
+        step_size_neg = -(hp["lr"] / bias_correction1.astype(hp["lr"].dtype))
+    else:
+        # a Python float lr over a float32 tensor: float32
+        step_size_neg = -rdiv(hp["lr"], bias_correction1)
+    bias_correction2_sqrt = jnp.sqrt(bias_correction2)
+    second = exp_avg_sq
+    if static["amsgrad"]:
+        second = jnp.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
+        out["max_exp_avg_sq"] = second
+    denom = jnp.sqrt(c(second)).astype(dtype)
+    denom = (c(denom) / c(bias_correction2_sqrt.astype(step_size_neg.dtype) * step_size_neg)).astype(dtype)
+    denom = (c(denom) + c(rdiv(hp["eps"], step_size_neg))).astype(dtype)
+    return (c(param) + c(exp_avg) / c(denom)).astype(dtype), out
 
 
 ADAM_ALGORITHM = Algorithm(
@@ -144,7 +176,8 @@ def build_adam(
     decoupled_weight_decay: bool,
 ) -> optax.GradientTransformationExtraArgs:
     """The Adam rule with torch ``Adam.__init__``'s checks, in torch's order."""
-    if is_tensor(lr):
+    tensor_lr = is_tensor(lr)
+    if tensor_lr:
         if foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         lr = tensor_to_scalar("lr", lr)
@@ -155,6 +188,10 @@ def build_adam(
         "amsgrad": bool(amsgrad),
         "maximize": bool(maximize),
         "decoupled_weight_decay": bool(decoupled_weight_decay),
+        # torch's differentiable branch computes the step's scalars as tensors, in float32
+        # (the step's dtype) or, with a tensor lr, in lr's
+        "differentiable": bool(differentiable),
+        "tensor_lr": tensor_lr,
     }
     # value checks first (make_optimizer runs them), then the type checks, as torch orders them
     for i, b in enumerate(betas):
@@ -170,7 +207,8 @@ def build_adam(
         if is_tensor(b) and not capturable and foreach:
             raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
     check_fused_flags(fused, differentiable, foreach)
-    if fused is not False:
+    # the default takes the kernel, except for torch's differentiable path (its own scalars)
+    if fused or (fused is None and not differentiable):
         tx = make_optimizer(fused_algorithm(algorithm, adam_kernel, auto=fused is None), hparams, static)
     return tx
 
@@ -225,7 +263,8 @@ def adam(
       foreach: accepted for torch compatibility; no effect.
       maximize: maximize the objective instead of minimizing, default False (static).
       capturable: accepted for torch compatibility; no effect.
-      differentiable: accepted for torch compatibility; no effect (see Note).
+      differentiable: torch's differentiable path's float32 step scalars (see Note;
+        static). With it the default (``fused=None``) runs that jitted rule.
       fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
         float32/float64 parameters not split by an explicit-sharding mesh, one CPU
         device: with several, automatic sharding could split them), as torch
@@ -272,12 +311,13 @@ def adam(
       effect; this function copies torch's order. Bias corrections are computed in the
       hyperparameter dtype (float64 under x64), as torch computes them in Python doubles.
 
-      ``foreach`` and ``capturable`` have no effect (XLA fuses the loop);
-      ``differentiable`` has none either, every step is differentiable with ``jax.grad``.
-      torch's ``differentiable=True`` path computes its bias corrections from the float
-      ``step`` tensor, in torch's *default* dtype: it agrees with this function to 1e-10
-      in float64 only under ``torch.set_default_dtype(torch.float64)``. torch's checks on
-      these flags are kept (e.g. a 0-d array ``lr`` with ``foreach=True``).
+      ``foreach`` and ``capturable`` have no effect (XLA fuses the loop). Every step is
+      differentiable with ``jax.grad``; ``differentiable=True`` reproduces torch's
+      differentiable path, which computes the bias corrections and step size from its
+      float ``step`` tensor in torch's default dtype (float32; a 1e-7..2e-6 relative
+      effect in float64), or with ``lr`` given as an array (torch: a tensor ``lr``) in
+      float64. torch's checks on these flags are kept (e.g. a 0-d array ``lr`` with
+      ``foreach=True``).
 
     References:
       Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015; Reddi et al.,

@@ -64,7 +64,8 @@ def adamw(
       maximize: maximize the objective instead of minimizing, default False (static).
       foreach: accepted for torch compatibility; no effect.
       capturable: accepted for torch compatibility; no effect.
-      differentiable: accepted for torch compatibility; no effect (see Note).
+      differentiable: torch's differentiable path's float32 step scalars (see Note;
+        static). With it the default (``fused=None``) runs that jitted rule.
       fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
         float32/float64 parameters not split by an explicit-sharding mesh, one CPU
         device: with several, automatic sharding could split them), as torch
@@ -103,11 +104,10 @@ def adamw(
       same way, but its AMSGrad variant (``optax.amsgrad`` has no decoupled decay at all)
       and operation order differ as described for ``adam``; torch's AMSGrad keeps the max
       of the raw second moment. ``optax.adamw``'s default ``weight_decay`` is 1e-4; torch's
-      is 1e-2. ``foreach``, ``capturable`` and ``differentiable`` have no effect
-      (every step is differentiable with ``jax.grad``); torch's ``differentiable=True``
-      path agrees with this function to 1e-10 in float64 only under
-      ``torch.set_default_dtype(torch.float64)`` (it computes bias corrections in torch's
-      default dtype).
+      is 1e-2. ``foreach`` and ``capturable`` have no effect; every step is
+      differentiable with ``jax.grad``, and ``differentiable=True`` reproduces torch's
+      differentiable path (bias corrections and step size from the float32 ``step``
+      tensor, or float64 with ``lr`` given as an array), as for ``adam``.
 
     References:
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019. Mirrors

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_lr, check_weight_decay, squeeze_lr
+from functorch_optim._checks import check_lr, check_weight_decay
 from functorch_optim._torch_ops import op_casts, signed_grad
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype
@@ -148,5 +148,5 @@ def asgd(
       SIAM J. Control Optim. 1992. Mirrors ``torch.optim.ASGD`` (``_single_tensor_asgd``).
     """
     del foreach, differentiable, capturable
-    hparams = {"lr": squeeze_lr(lr), "lambd": lambd, "alpha": alpha, "t0": t0, "weight_decay": weight_decay}
+    hparams = {"lr": lr, "lambd": lambd, "alpha": alpha, "t0": t0, "weight_decay": weight_decay}
     return make_optimizer(ASGD_ALGORITHM, hparams, {"maximize": bool(maximize)})

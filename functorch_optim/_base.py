@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._hyperparams import HParams, Validator, as_hparam, to_python
+from functorch_optim._checks import squeeze_lr
+from functorch_optim._hyperparams import HParams, Validator, as_hparam, check_number, has_tracer, to_python
 from functorch_optim._sharding import sharded_init
-from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
+from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
 StepFn = Callable[..., tuple[PyTree, PyTree]]
 
@@ -85,7 +86,8 @@ class Algorithm:
         new_buffers)``, torch's loop body for one parameter. ``step`` is the int32 count
         of gradients this parameter has received including this one (1 on its first
         step); ``hparams`` are arrays in the hyperparameter dtype (cast them to the
-        parameter's compute dtype where torch would).
+        parameter's compute dtype where torch would). ``step`` counts only the
+        steps that ``advances`` allows, where it is set.
       torch_step: how torch's per-parameter state holds ``step`` (used by the facade's
         ``state_dict``): ``"tensor"`` (default), a 0-d float tensor of torch's default
         dtype, as Adam, AdamW, RMSprop, Adagrad, … keep it; ``"int"``, a Python int
@@ -115,6 +117,12 @@ class Algorithm:
         ``hparams``, instead of each parameter repeating the same scalar ops (a step over
         1000 leaves would trace, lower and optimize them 1000 times). Default None:
         ``step_leaf`` gets the hyperparameters themselves.
+      advances: optional ``(hparams, static) -> bool scalar``, from the state's
+        hyperparameters: whether this step advances the per-parameter ``step``
+        counters (the ``one`` that ``step_leaf``'s ``step`` and ``fused_step``'s
+        counters advance by is 0 where not); default None, always (``step`` counts
+        gradients). SGD with a buffer counts only the steps taken with momentum != 0
+        (torch's buffer exists after the first of them).
     """
 
     name: str
@@ -126,6 +134,7 @@ class Algorithm:
     prepare: Callable[[Mapping[str, Any], Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
     fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
     fused_window: Callable[..., list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]] | None = None
+    advances: Callable[[Mapping[str, Any], Mapping[str, Any]], Any] | None = None
 
 
 def make_optimizer(
@@ -141,15 +150,30 @@ def make_optimizer(
     (torch's chainable form). A tuple hyperparameter (``betas``) may hold schedules
     among its entries; each entry is driven on its own.
 
+    A numeric hyperparameter given as a JAX array (concrete or traced) is an input of
+    this transformation rather than state: every ``update`` steps with the value the
+    transformation was built with and records it in the state. That is the contract of
+    ``optax.inject_hyperparams``, which rebuilds the transformation with the current
+    values before each update. ``set_hparams`` refuses such a name (give a Python number
+    to keep the value in the state instead). Construction-time checks are skipped for
+    traced values.
+
     Raises:
       ValueError: torch's message for an invalid hyperparameter, raised here, at
         construction, before any state exists.
     """
+    if "lr" in hparams:
+        # torch's first check in every constructor: "Tensor lr must be 1-element"
+        hparams = {**hparams, "lr": squeeze_lr(hparams["lr"])}
     schedules = {k: _driver(v) for k, v in hparams.items() if _is_scheduled(v)}
+    injected = {k: v for k, v in hparams.items() if isinstance(v, jax.Array)}
     first, schedule_state = dict(hparams), {}
     for k, driver in schedules.items():
         first[k], schedule_state[k] = driver.init_schedule()
-    algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
+    if not has_tracer(first):
+        algorithm.validate({k: to_python(v) for k, v in first.items()}, dict(static))
+    for k, v in first.items():  # what no check of torch compared (a string dampening)
+        check_number(algorithm.name, k, v)
     for k, driver in schedules.items():
         check = getattr(driver, "check_hparams", None)
         if check is not None:
@@ -157,7 +181,7 @@ def make_optimizer(
     static = dict(static)
 
     def init(params: PyTree) -> TorchState:
-        check_params(params)
+        check_params(params, allow_empty=True)
         step = jax.tree.map(lambda p: jnp.zeros((), jnp.int32), params)
         leaf_buffers = jax.tree.map(lambda p: algorithm.init_leaf(p, static), params)
         names = _buffer_names(leaf_buffers, params)
@@ -171,7 +195,12 @@ def make_optimizer(
         sched_state = jax.tree.map(lambda x: jnp.array(x, copy=True), schedule_state)
         return TorchState(
             HParams(
-                values, algorithm.name, algorithm.validate, static, tuple(sorted(schedules)), sched_state
+                values,
+                algorithm.name,
+                algorithm.validate,
+                static,
+                tuple(sorted({*schedules, *injected})),
+                sched_state,
             ),
             jnp.zeros((), jnp.int32),
             buffers,
@@ -182,7 +211,7 @@ def make_optimizer(
         treedef = jax.tree.structure(params)
         p_leaves = treedef.flatten_up_to(params)
         g_leaves = treedef.flatten_up_to(grads)
-        m_leaves = treedef.flatten_up_to(grad_mask) if grad_mask is not None else [None] * len(p_leaves)
+        m_leaves = grad_mask_leaves(params, grad_mask) if grad_mask is not None else [None] * len(p_leaves)
         names = list(state.buffers)
         b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
@@ -206,10 +235,26 @@ def make_optimizer(
 
         return hparams_of
 
-    def advance(state, hp, stepping=None):
+    def counter_one(state, hp):
+        # what the counters advance by: 1, or 0 on a step ``algorithm.advances`` excludes
+        one = _runtime_one(state.count)
+        if algorithm.advances is None:
+            return one
+        return jnp.where(algorithm.advances(hp, static), one, jnp.zeros_like(one))
+
+    def current(state):
+        # the values this step uses: the state's, with the injected ones replaced
+        hparams = state.hparams
+        if injected:
+            hparams = hparams.replace(
+                **{k: as_hparam(v, _hparam_dtype(hparams[k])) for k, v in injected.items()}
+            )
+        return hparams
+
+    def advance(state, hparams, stepping=None):
         # the step count and the schedules move by one step (only where ``stepping``)
         count = state.count + 1
-        hparams = state.hparams
+        hp = dict(hparams)
         if schedules:
             values, sched_state = {}, dict(hparams.schedule_state)
             for k, driver in schedules.items():
@@ -220,6 +265,11 @@ def make_optimizer(
                 values = {k: jax.tree.map(keep, v, hp[k]) for k, v in values.items()}
                 sched_state = jax.tree.map(keep, sched_state, dict(hparams.schedule_state))
             hparams = hparams.replace(**values).with_schedule_state(sched_state)
+        if stepping is not None and injected:
+            keep = lambda new, old: jnp.where(stepping, new, old)
+            hparams = hparams.replace(
+                **{k: jax.tree.map(keep, hparams[k], state.hparams[k]) for k in injected}
+            )
         if stepping is not None:
             count = jnp.where(stepping, count, state.count)
         return hparams, count
@@ -232,9 +282,10 @@ def make_optimizer(
         del extra_args
         check_like_params(params, grads)
         treedef, leaves, olds = unpack(params, grads, state, grad_mask)
-        hp = dict(state.hparams)
+        hparams = current(state)
+        hp = dict(hparams)
         hparams_of = prepared(hp)
-        one = _runtime_one(state.count)
+        one = counter_one(state, hp)
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
         if algorithm.fused_step is not None:
             outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
@@ -243,7 +294,7 @@ def make_optimizer(
         results = dict(zip(stepping, outs))
         # a None gradient: nothing moves
         new = [results.get(i, (leaf[0], olds[i])) for i, leaf in enumerate(leaves)]
-        hparams, count = advance(state, hp)
+        hparams, count = advance(state, hparams)
         return rebuild(treedef, list(state.buffers), [p for p, _ in new], [b for _, b in new], hparams, count)
 
     def window_step(params, grads, state, window, active):
@@ -253,10 +304,11 @@ def make_optimizer(
         Returns ``(params, acc, state)``; on a call that does not step, params, state,
         counters and schedules keep their bits."""
         treedef, leaves, _ = unpack(params, grads, state, active)
-        hp = dict(state.hparams)
+        hparams = current(state)
+        hp = dict(hparams)
         window = window._replace(accs=treedef.flatten_up_to(window.accs))
-        outs = algorithm.fused_window(leaves, window, prepared(hp), static, _runtime_one(state.count))
-        hparams, count = advance(state, hp, window.stepping)
+        outs = algorithm.fused_window(leaves, window, prepared(hp), static, counter_one(state, hp))
+        hparams, count = advance(state, hparams, window.stepping)
         new_params, new_state = rebuild(
             treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count
         )
@@ -336,8 +388,11 @@ def schedule_key(value: Any) -> Any:
     Raises:
       TypeError: the value holds user code (a plain ``count -> value`` function, a
         schedule built on a lambda): it may read values that change, so it is not
-        compared.
+        compared; or it is a JAX array, an input the transformation holds (see
+        ``make_optimizer``).
     """
+    if isinstance(value, jax.Array):
+        raise TypeError("a hyperparameter given as a JAX array is in the transformation: not compared")
     if not _is_scheduled(value):
         return None
     if isinstance(value, tuple | list):

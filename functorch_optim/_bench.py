@@ -99,7 +99,7 @@ def time_round_robin(
     Each timed call follows ``settle`` untimed calls of the same contender, as a step
     follows its own library's work in a training loop. Timed right after another
     library's step, a step shares the cores with that library's threads, which keep
-    spinning a while after their work (torch's OpenMP threads): on the 2-core VM a fused
+    spinning a while after their work (torch's OpenMP threads): on 2 cores a fused
     SGD step over 10M parameters took 7.3 ms right after torch's step and 6.0 ms after
     its own (torch's: 5.5 and 6.0 ms).
     """
@@ -604,7 +604,7 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 7's targets checked on ``result``, per layout: each entry is the worst value
+    """The speed targets checked on ``result``, per layout: each entry is the worst value
     over the rows the target covers, the case it came from, the limit and whether it holds.
 
     Layouts: "tree" is a pytree of leaves as given; "flat" is ``ravel_by_dtype``'s one
@@ -817,7 +817,7 @@ def markdown(result: dict[str, Any]) -> str:
     checks = targets(result)
     if checks:
         lines += [
-            "### Issue 7 targets (the worst value over the rows each covers)",
+            "### Speed targets (the worst value over the rows each covers)",
             "",
             "| target | layout | worst | case | limit | holds |",
             "|---|---|---|---|---|---|",
@@ -925,6 +925,8 @@ def run(
     compile_leaves = tuple(compile_leaves or (QUICK_COMPILE_LEAVES if quick else FULL_COMPILE_LEAVES))
     reps = reps or (5 if quick else 9)
     torch = _torch()
+    if torch is None:
+        log("no torch rows: torch is not installed (pip install 'functorch_optim[torch]') or cannot run here")
     t0 = time.perf_counter()
     result: dict[str, Any] = {
         "meta": {
@@ -972,7 +974,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         nargs="+",
         metavar="PARAMSxLEAVES",
-        help="cases like 1e7x1 1e7x200 (default: the issue's grid)",
+        help="cases like 1e7x1 1e7x200 (default: 1e6, 1e7, 5e7 parameters in 1 and 200 leaves; 1e5 in 100)",
     )
     parser.add_argument("--compile-leaves", nargs="+", type=int, help="leaf counts for compile times")
     parser.add_argument("--reps", type=int, help="timed reps per contender (default 9; 5 with --quick)")
@@ -1017,6 +1019,8 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def run_cli(args: argparse.Namespace) -> int:
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
+    if not args.no_plot:
+        import matplotlib  # noqa: F401  (the plot comes last: fail before measuring)
     cases = [_parse_case(s) for s in args.sizes] if args.sizes else None
     if args.from_json:
         parts = []

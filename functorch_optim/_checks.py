@@ -17,26 +17,28 @@ import numpy as np
 
 
 def check_lr(lr: Any) -> None:
-    """Raises ``ValueError: Invalid learning rate: {lr}`` unless ``lr >= 0``."""
-    if not lr >= 0.0:
+    """Raises ``ValueError: Invalid learning rate: {lr}`` unless ``lr >= 0``; written as
+    torch writes it, so a string raises torch's ``TypeError`` (``'<=' not supported
+    between instances of 'float' and 'str'``)."""
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
 def check_eps(eps: Any) -> None:
     """Raises ``ValueError: Invalid epsilon value: {eps}`` unless ``eps >= 0``."""
-    if not eps >= 0.0:
+    if not 0.0 <= eps:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid epsilon value: {eps}")
 
 
 def check_momentum(momentum: Any) -> None:
     """Raises ``ValueError: Invalid momentum value: {momentum}`` unless ``momentum >= 0``."""
-    if not momentum >= 0.0:
+    if not 0.0 <= momentum:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid momentum value: {momentum}")
 
 
 def check_weight_decay(weight_decay: Any) -> None:
     """Raises ``ValueError: Invalid weight_decay value: {wd}`` unless ``weight_decay >= 0``."""
-    if not weight_decay >= 0.0:
+    if not 0.0 <= weight_decay:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 

@@ -172,7 +172,13 @@ def clip_grad_value(grads: PyTree, clip_value: float, foreach: bool | None = Non
 
 
 class ClipGradNormState(NamedTuple):
-    """State of ``clip_grad_norm_transform``: the norm before clipping, of the last update."""
+    """State of ``clip_grad_norm_transform``: the norm before clipping, of the last update.
+
+    Attributes:
+      total_norm: a 0-d array in the parameters' (promoted) dtype, the dtype
+        ``get_total_norm`` computes in (float64 for float64 gradients); float32 for a
+        tree without leaves.
+    """
 
     total_norm: jax.Array
 
@@ -200,8 +206,8 @@ def clip_grad_norm_transform(
     """
 
     def init(params):
-        del params
-        return ClipGradNormState(jnp.zeros((), jnp.float32))
+        dtypes = [jnp.result_type(x) for x in jax.tree.leaves(params)]
+        return ClipGradNormState(jnp.zeros((), jnp.result_type(*dtypes) if dtypes else jnp.float32))
 
     def update(grads, state, params=None):
         del params

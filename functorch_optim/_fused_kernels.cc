@@ -361,6 +361,11 @@ void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maxi
     });
   };
   ForEachItem(pool, x, step);
+  // with a buffer, the counter counts the steps taken with momentum != 0 (the first one
+  // creates the buffer, as in torch): a step with momentum == 0 does not advance it
+  for (int64_t i = 0; i < x.count; ++i) {
+    if (x.buffers > 0 && x.flag_row(i)[0] && !x.flag_row(i)[3]) --*x.step[i];
+  }
 }
 
 template <typename T>

@@ -10,10 +10,11 @@ schedule.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from functorch_optim._tree import PyTree, keystr
@@ -38,17 +39,50 @@ def as_hparam(value: Any, dtype: Any | None = None) -> Any:
 
 
 def to_python(value: Any) -> Any:
-    """Concrete hyperparameter value(s) as Python floats; tracers are returned as they are."""
+    """Concrete hyperparameter value(s) as Python floats; tracers are returned as they are.
+
+    A value that is not a real number (a string, ``None``, a complex number) is returned
+    as it is, so that torch's checks (``if not 0.0 <= lr``) raise torch's ``TypeError``
+    on it; ``check_number`` rejects what no check compares."""
     if isinstance(value, tuple | list):
         return tuple(to_python(v) for v in value)
     if isinstance(value, jax.core.Tracer):
         return value
-    if isinstance(value, bool | int | float):
+    if isinstance(value, bool | int | float | str | complex) or value is None:
+        return value
+    if jnp.iscomplexobj(value) or np.size(value) != 1:
         return value
     return float(value)
 
 
-def _has_tracer(value: Any) -> bool:
+def check_number(where: str, name: str, value: Any) -> None:
+    """Reject a hyperparameter value that is not a real scalar, naming it.
+
+    Raises:
+      TypeError: ``{where}: {name} must be a real number or a 0-d real array, got ...``
+        for a string, ``None``, a complex number or a non-numeric array.
+      ValueError: ``{where}: {name} must be a scalar, got an array of shape ...``.
+    """
+    if isinstance(value, tuple | list):
+        for i, v in enumerate(value):
+            check_number(where, f"{name}[{i}]", v)
+        return
+    if isinstance(value, jax.core.Tracer | bool | int | float):
+        return
+    dtype = getattr(value, "dtype", None)
+    real = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+        or jnp.issubdtype(dtype, jnp.bool_)
+    )
+    if not real:
+        raise TypeError(f"{where}: {name} must be a real number or a 0-d real array, got {value!r}")
+    if np.size(value) != 1:
+        raise ValueError(f"{where}: {name} must be a scalar, got an array of shape {np.shape(value)}")
+
+
+def has_tracer(value: Any) -> bool:
+    """Whether any leaf of ``value`` is a tracer (a value under a JAX transformation)."""
     return any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(value))
 
 
@@ -122,7 +156,7 @@ class HParams(Mapping):
         if self.validator is None:
             return
         merged = {k: to_python(v) for k, v in {**self._values, **values}.items()}
-        if _has_tracer(merged):
+        if has_tracer(merged):
             return
         self.validator(merged, self.static)
 
@@ -149,6 +183,19 @@ class HParams(Mapping):
         )
 
 
+class ParamGroupsState(NamedTuple):
+    """State of ``param_groups`` (here, where ``get_hparams`` looks for it).
+
+    Attributes:
+      groups: per group name, the state of that group's transformation (for this
+        package's optimizers a ``TorchState`` whose buffers are shaped like the params,
+        ``None`` at the other groups' parameters). ``get_hparams(state, group=name)``
+        and ``set_hparams(state, group=name, ...)`` read and change one group's values.
+    """
+
+    groups: dict[str, PyTree]
+
+
 def _is_hparams_node(x: Any) -> bool:
     return isinstance(x, HParams | optax.InjectHyperparamsState | optax.InjectStatefulHyperparamsState)
 
@@ -158,8 +205,31 @@ def _find(state: PyTree) -> list[tuple[tuple, Any]]:
     return [(path, n) for path, n in nodes if _is_hparams_node(n)]
 
 
-def _only_node(state: PyTree, fn: str) -> tuple[tuple, Any]:
-    nodes = _find(state)
+def _is_groups_node(x: Any) -> bool:
+    return isinstance(x, ParamGroupsState)
+
+
+def _group_nodes(state: PyTree, group: str, fn: str) -> list[tuple[tuple, Any]]:
+    """The hyperparameter nodes of parameter group ``group`` (``param_groups``), with
+    their paths in ``state``."""
+    holders = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_groups_node)[0]
+    holders = [(path, n) for path, n in holders if _is_groups_node(n)]
+    if len(holders) != 1:
+        raise ValueError(
+            f"{fn}: group={group!r} needs a state with one set of parameter groups "
+            f"(functorch_optim.param_groups); this one has {len(holders)}"
+        )
+    path, holder = holders[0]
+    if group not in holder.groups:
+        raise ValueError(
+            f"{fn}: no parameter group {group!r}; the groups are: {', '.join(map(repr, holder.groups))}"
+        )
+    prefix = (jax.tree_util.GetAttrKey("groups"), jax.tree_util.DictKey(group))
+    return [(path + p, n) for p, n in _find(holder) if p[:2] == prefix]
+
+
+def _only_node(state: PyTree, fn: str, group: str | None = None) -> tuple[tuple, Any]:
+    nodes = _find(state) if group is None else _group_nodes(state, group, fn)
     if not nodes:
         raise ValueError(
             f"{fn}: the state holds no hyperparameters (neither a functorch_optim optimizer "
@@ -167,14 +237,18 @@ def _only_node(state: PyTree, fn: str) -> tuple[tuple, Any]:
         )
     if len(nodes) > 1:
         where = ", ".join(keystr(path) for path, _ in nodes)
+        hint = "pass the sub-state of the one you mean"
+        groups = [n for _, n in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_groups_node)[0]]
+        groups = [n for n in groups if _is_groups_node(n)]
+        if group is None and len(groups) == 1:
+            hint = f"pass group= one of {', '.join(map(repr, groups[0].groups))}"
         raise ValueError(
-            f"{fn}: the state holds hyperparameters of {len(nodes)} optimizers (at {where}); "
-            "pass the sub-state of the one you mean"
+            f"{fn}: the state holds hyperparameters of {len(nodes)} optimizers (at {where}); {hint}"
         )
     return nodes[0]
 
 
-def get_hparams(state: PyTree) -> dict[str, Any]:
+def get_hparams(state: PyTree, group: str | None = None) -> dict[str, Any]:
     """The numeric hyperparameters held in an optimizer state.
 
     Finds the one ``HParams`` node in ``state`` (also inside ``optax.chain`` tuples and
@@ -183,12 +257,16 @@ def get_hparams(state: PyTree) -> dict[str, Any]:
 
     Args:
       state: an optimizer state, e.g. from ``tx.init(params)``.
+      group: with ``param_groups``, the name of the parameter group to read (its
+        state holds one optimizer per group); default None, the state's only one.
 
     Returns:
       A dict from hyperparameter name to a 0-d array (a tuple of them for ``betas``).
 
     Raises:
-      ValueError: if the state holds no hyperparameters, or those of several optimizers.
+      ValueError: if the state holds no hyperparameters, or those of several optimizers
+        (the message lists the group names when they are parameter groups), or no
+        group of that name.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -196,13 +274,13 @@ def get_hparams(state: PyTree) -> dict[str, Any]:
       >>> float(fo.get_hparams(state)["lr"])
       0.5
     """
-    _, node = _only_node(state, "get_hparams")
+    _, node = _only_node(state, "get_hparams", group)
     if isinstance(node, HParams):
         return dict(node)
     return dict(node.hyperparams)
 
 
-def set_hparams(state: PyTree, **values: Any) -> PyTree:
+def set_hparams(state: PyTree, group: str | None = None, **values: Any) -> PyTree:
     """A new state with some numeric hyperparameters changed, validated like torch.
 
     The new values keep the dtype and shape of the old ones, so a jitted step that takes
@@ -210,7 +288,10 @@ def set_hparams(state: PyTree, **values: Any) -> PyTree:
     (e.g. under ``jax.grad`` for meta-learning); torch's checks then cannot run.
 
     Args:
-      state: an optimizer state holding exactly one set of hyperparameters.
+      state: an optimizer state holding exactly one set of hyperparameters, or
+        parameter groups (``param_groups``) with ``group``.
+      group: with ``param_groups``, the name of the parameter group to change;
+        default None, the state's only optimizer.
       **values: new values by torch's names (``lr=0.01``, ``betas=(0.9, 0.99)``).
 
     Returns:
@@ -229,7 +310,7 @@ def set_hparams(state: PyTree, **values: Any) -> PyTree:
       >>> round(float(fo.get_hparams(state)["lr"]), 6)
       0.01
     """
-    path, node = _only_node(state, "set_hparams")
+    path, node = _only_node(state, "set_hparams", group)
     known = tuple(node) if isinstance(node, HParams) else tuple(node.hyperparams)
     unknown = sorted(set(values) - set(known))
     if unknown:
@@ -238,11 +319,21 @@ def set_hparams(state: PyTree, **values: Any) -> PyTree:
             f"known: {', '.join(known)}"
         )
     current = dict(node) if isinstance(node, HParams) else dict(node.hyperparams)
+    for name, value in values.items():
+        if not isinstance(value, str):  # a string: torch's own check raises (below)
+            check_number("set_hparams", name, value)
     if isinstance(node, HParams):
         driven = sorted(set(values) & set(node.scheduled))
         if driven:
-            raise ValueError(f"set_hparams: {', '.join(driven)} is driven by a schedule and cannot be set")
+            raise ValueError(
+                f"set_hparams: {', '.join(driven)} is driven by a schedule, or was given to the "
+                "constructor as a JAX array (an input of the transformation, as "
+                "optax.inject_hyperparams passes it), and cannot be set"
+            )
         node.validate(values)
+
+    for name, value in values.items():
+        check_number("set_hparams", name, value)  # a string no check of torch compared
 
     def convert(name: str, new: Any) -> Any:
         old = current[name]

@@ -20,6 +20,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from functorch_optim._base import STEP_ATTR
+from functorch_optim._checks import squeeze_lr
 from functorch_optim._hyperparams import HParams, hparam_dtype, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none
 
@@ -81,61 +82,113 @@ class LBFGSState(NamedTuple):
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr = hp["lr"]
-    if not lr >= 0.0:
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid learning rate: {lr}")
     history_size = static["history_size"]
     if not isinstance(history_size, int) or history_size < 1:
         raise ValueError(f"history_size must be an integer >= 1, got {history_size!r}")
 
 
-def _cubic_interpolate(x1, f1, g1, x2, f2, g2, bounds=None):
+def _cubic_interpolate(x1, f1, g1, x2, f2, g2, bounds=None, xp=jnp):
     """torch's ``_cubic_interpolate`` (from minFunc's polyinterp), branch-free."""
     if bounds is not None:
         xmin_bound, xmax_bound = bounds
     else:
-        xmin_bound = jnp.where(x1 <= x2, x1, x2)
-        xmax_bound = jnp.where(x1 <= x2, x2, x1)
+        xmin_bound = xp.where(x1 <= x2, x1, x2)
+        xmax_bound = xp.where(x1 <= x2, x2, x1)
     d1 = g1 + g2 - 3 * (f1 - f2) / (x1 - x2)
     d2_square = d1**2 - g1 * g2
     real = d2_square >= 0
-    d2 = jnp.sqrt(jnp.where(real, d2_square, 0))
-    min_pos = jnp.where(
+    d2 = xp.sqrt(xp.where(real, d2_square, 0))
+    min_pos = xp.where(
         x1 <= x2,
         x2 - (x2 - x1) * ((g2 + d2 - d1) / (g2 - g1 + 2 * d2)),
         x1 - (x1 - x2) * ((g1 + d2 - d1) / (g1 - g2 + 2 * d2)),
     )
-    clipped = jnp.minimum(jnp.maximum(min_pos, xmin_bound), xmax_bound)
-    return jnp.where(real, clipped, (xmin_bound + xmax_bound) / 2.0)
+    # torch: min(max(min_pos, xmin_bound), xmax_bound), Python's min and max
+    clipped = _py_min(xp, _py_max(xp, min_pos, xmin_bound), xmax_bound)
+    return xp.where(real, clipped, (xmin_bound + xmax_bound) / 2.0)
 
 
-def _axpy(x: jax.Array, t: jax.Array, d: jax.Array) -> jax.Array:
+def _py_max(xp: Any, first: Any, second: Any) -> Any:
+    """Python's ``max(first, second)`` (``_torch_ops.py_max``) in the namespace ``xp``: a
+    NaN ``second`` gives ``first``."""
+    return xp.where(second > first, second, first)
+
+
+def _py_min(xp: Any, first: Any, second: Any) -> Any:
+    """Python's ``min(first, second)`` in the namespace ``xp`` (see ``_py_max``)."""
+    return xp.where(second < first, second, first)
+
+
+class _Traced:
+    """``lax`` control flow over ``jax.numpy``: the whole step is one jittable computation."""
+
+    xp = jnp
+    while_loop = staticmethod(jax.lax.while_loop)
+    cond = staticmethod(jax.lax.cond)
+
+    @staticmethod
+    def host(tree):
+        return tree
+
+
+class _Eager:
+    """Python control flow on concrete values, so ``evaluate`` may have side effects.
+
+    torch's closure (``opt.zero_grad(); loss = opt.backward(...); return loss``) reads
+    and writes the facade's parameters and gradients: it runs between the iterations,
+    called exactly when and as often as torch calls it, never inside a trace. The
+    bookkeeping between the calls is NumPy float64 (torch's is Python floats and small
+    tensors): op-by-op JAX would compile every small operation once, seconds in all.
+    """
+
+    xp = np
+
+    @staticmethod
+    def host(tree):
+        return jax.tree.map(np.asarray, tree)
+
+    @staticmethod
+    def while_loop(cond_fun, body_fun, carry):
+        while bool(cond_fun(carry)):
+            carry = body_fun(carry)
+        return carry
+
+    @staticmethod
+    def cond(pred, true_fun, false_fun, *operands):
+        return true_fun(*operands) if bool(pred) else false_fun(*operands)
+
+
+def _axpy(x: jax.Array, t: jax.Array, d: jax.Array, xp: Any = jnp) -> jax.Array:
     # torch's p.add_(d, alpha=t): the scalar in the parameters' dtype
-    return x + jnp.asarray(t).astype(x.dtype) * d
+    return x + xp.asarray(t).astype(x.dtype) * d
 
 
-def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, tolerance_change=1e-9):
-    """torch's ``_strong_wolfe`` (from minFunc's lswolfe) as two ``lax.while_loop``s.
+def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, ops=_Traced, c1=1e-4, c2=0.9, tolerance_change=1e-9):
+    """torch's ``_strong_wolfe`` (from minFunc's lswolfe) as two while loops (``ops``'s).
 
     A point of the search is one packed row ``[t, f, gtd, g...]`` (in the wider of the
     scalar and gradient dtypes, so packing is exact), which keeps the traced graph, and
     the compile time, small. Returns ``(f_new, g_new, t, ls_func_evals)``. As in torch,
     ``tolerance_change`` here is always its default (LBFGS.step does not pass its own).
     """
-    dtype = jnp.result_type(t, f, g)
+    xp = ops.xp
+    dtype = xp.result_type(t, f, g)
 
     def point(t, f, g):
         g = g.astype(x.dtype)
-        return jnp.concatenate([jnp.stack([t, f, jnp.dot(g, d)]).astype(dtype), g.astype(dtype)])
+        return xp.concatenate([xp.stack([t, f, xp.dot(g, d)]).astype(dtype), g.astype(dtype)])
 
     def at(t):
-        f_t, g_t = evaluate(_axpy(x, t, d))
+        f_t, g_t = evaluate(_axpy(x, t, d, xp))
         return point(t, f_t, g_t)
 
     def unpack(row):
         return row[0], row[1], row[2], row[3:]
 
-    d_norm = jnp.max(jnp.abs(d))
-    start = jnp.concatenate([jnp.stack([jnp.zeros_like(t), f, gtd]).astype(dtype), g.astype(dtype)])
+    d_norm = xp.max(xp.abs(d))
+    start = xp.concatenate([xp.stack([xp.zeros_like(t), f, gtd]).astype(dtype), g.astype(dtype)])
     f, gtd = start[1], start[2]
 
     # bracket an interval containing a point satisfying the Wolfe criteria
@@ -143,7 +196,7 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, toleran
         _, f_prev, _, _ = unpack(c["prev"])
         t_new, f_new, gtd_new, _ = unpack(c["new"])
         armijo = (f_new > (f + c1 * t_new * gtd)) | ((c["ls_iter"] > 1) & (f_new >= f_prev))
-        wolfe = jnp.abs(gtd_new) <= -c2 * gtd
+        wolfe = xp.abs(gtd_new) <= -c2 * gtd
         return armijo, wolfe, gtd_new >= 0
 
     def bracket_cond(c):
@@ -155,60 +208,66 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, toleran
         t, f_new, gtd_new, _ = unpack(c["new"])
         min_step = t + 0.01 * (t - t_prev)
         max_step = t * 10
-        t_next = _cubic_interpolate(t_prev, f_prev, gtd_prev, t, f_new, gtd_new, bounds=(min_step, max_step))
+        t_next = _cubic_interpolate(
+            t_prev, f_prev, gtd_prev, t, f_new, gtd_new, bounds=(min_step, max_step), xp=xp
+        )
         return {"prev": c["new"], "new": at(t_next), "ls_iter": c["ls_iter"] + 1}
 
-    c = {"prev": start, "new": at(t), "ls_iter": jnp.zeros((), jnp.int32)}
-    c = jax.lax.while_loop(bracket_cond, bracket_body, c)
+    c = {"prev": start, "new": at(t), "ls_iter": xp.zeros((), xp.int32)}
+    c = ops.while_loop(bracket_cond, bracket_body, c)
     armijo, wolfe, _ = conditions(c)
     reached_max = c["ls_iter"] >= max_ls
     one_point = ~reached_max & ~armijo & wolfe
-    first = jnp.where(reached_max, start.at[0].set(0), jnp.where(one_point, c["new"], c["prev"]))
-    bracket = jnp.stack([first, c["new"]])
+    first = xp.where(
+        reached_max,
+        xp.concatenate([xp.zeros_like(start[:1]), start[1:]]),
+        xp.where(one_point, c["new"], c["prev"]),
+    )
+    bracket = xp.stack([first, c["new"]])
 
     # zoom phase: refine the bracket until a point satisfies the criteria
-    low = jnp.where(bracket[0, 1] <= bracket[1, 1], 0, 1)
+    low = xp.where(bracket[0, 1] <= bracket[1, 1], 0, 1)
     z = {
         "bracket": bracket,
         "low": low,
         "done": one_point,
-        "insuf": jnp.zeros((), bool),
+        "insuf": xp.zeros((), bool),
         "ls_iter": c["ls_iter"],
     }
 
     def zoom_cond(z):
         b = z["bracket"]
-        small = jnp.abs(b[1, 0] - b[0, 0]) * d_norm < tolerance_change
+        small = xp.abs(b[1, 0] - b[0, 0]) * d_norm < tolerance_change
         return ~z["done"] & (z["ls_iter"] < max_ls) & ~small
 
     def zoom_body(z):
         b, low = z["bracket"], z["low"]
         high = 1 - low
-        t = _cubic_interpolate(b[0, 0], b[0, 1], b[0, 2], b[1, 0], b[1, 1], b[1, 2])
-        b_max, b_min = jnp.maximum(b[0, 0], b[1, 0]), jnp.minimum(b[0, 0], b[1, 0])
+        t = _cubic_interpolate(b[0, 0], b[0, 1], b[0, 2], b[1, 0], b[1, 1], b[1, 2], xp=xp)
+        b_max, b_min = _py_max(xp, b[0, 0], b[1, 0]), _py_min(xp, b[0, 0], b[1, 0])
         eps = 0.1 * (b_max - b_min)
-        near = jnp.minimum(b_max - t, t - b_min) < eps
+        near = _py_min(xp, b_max - t, t - b_min) < eps
         at_edge = z["insuf"] | (t >= b_max) | (t <= b_min)
-        moved = jnp.where(jnp.abs(t - b_max) < jnp.abs(t - b_min), b_max - eps, b_min + eps)
-        t = jnp.where(near & at_edge, moved, t)
+        moved = xp.where(xp.abs(t - b_max) < xp.abs(t - b_min), b_max - eps, b_min + eps)
+        t = xp.where(near & at_edge, moved, t)
         new = at(t)
         _, f_new, gtd_new, _ = unpack(new)
         # Armijo condition not satisfied or not lower than lowest point: new point is high
         fail = (f_new > (f + c1 * t * gtd)) | (f_new >= b[low, 1])
-        done = ~fail & (jnp.abs(gtd_new) <= -c2 * gtd)
+        done = ~fail & (xp.abs(gtd_new) <= -c2 * gtd)
         # otherwise the old high becomes the new low if the slope says so, and the new
         # point becomes the low
         swap = ~fail & ~done & (gtd_new * (b[high, 0] - b[low, 0]) >= 0)
-        target = jnp.where(fail, high, low)
+        target = xp.where(fail, high, low)
         rows = []
         for pos in (0, 1):
-            kept = jnp.where(swap & (high == pos), b[low], b[pos])
-            rows.append(jnp.where(target == pos, new, kept))
-        b = jnp.stack(rows)
-        low = jnp.where(fail, jnp.where(b[0, 1] <= b[1, 1], 0, 1), low)
+            kept = xp.where(swap & (high == pos), b[low], b[pos])
+            rows.append(xp.where(target == pos, new, kept))
+        b = xp.stack(rows)
+        low = xp.where(fail, xp.where(b[0, 1] <= b[1, 1], 0, 1), low)
         return {"bracket": b, "low": low, "done": done, "insuf": near & ~at_edge, "ls_iter": z["ls_iter"] + 1}
 
-    z = jax.lax.while_loop(zoom_cond, zoom_body, z)
+    z = ops.while_loop(zoom_cond, zoom_body, z)
     t_best, f_best, _, g_best = unpack(z["bracket"][z["low"]])
     # every iteration of either loop evaluated once, plus the first evaluation
     evals = z["ls_iter"] + 1
@@ -216,7 +275,7 @@ def _strong_wolfe(evaluate, x, t, d, f, g, gtd, max_ls, c1=1e-4, c2=0.9, toleran
 
 
 def _lbfgs_step(params, grads, state, value_fn, value, static):
-    history_size, line_search = static["history_size"], static["line_search_fn"]
+    """One traced step from a pure loss function: ``(new_params, new_state, loss0)``."""
     check_params(params)
     x0, unravel = ravel_pytree(params)
     sdt = hparam_dtype()
@@ -231,11 +290,89 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
     else:
         check_like_params(params, grads)
         grads = jax.tree.map(
-            lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params, is_leaf=is_none
+            lambda g, p: g if g is not None or p is None else jnp.zeros_like(p),
+            grads,
+            params,
+            is_leaf=is_none,
         )
         g0 = ravel_pytree(grads)[0].astype(x0.dtype)
         loss0 = jnp.asarray(value_fn(params) if value is None else value).astype(sdt)
+    x, new_state = _lbfgs_iterate(evaluate, x0, loss0, g0, state, static, _Traced)
+    return unravel(x), new_state, loss0
 
+
+def _lbfgs_eager_step(
+    evaluate: Callable[[jax.Array], tuple[Any, jax.Array]], x0: jax.Array, state: LBFGSState
+) -> tuple[jax.Array, LBFGSState, jax.Array]:
+    """One torch ``LBFGS.step(closure)`` with Python control flow around a side-effecting closure.
+
+    Args:
+      evaluate: ``flat_params -> (loss, flat_grad)``: set the parameters, call the
+        closure, read the gradients; called exactly when torch calls its closure.
+      x0: the current parameters, raveled (``jax.flatten_util.ravel_pytree``).
+      state: an ``lbfgs`` state.
+
+    Returns:
+      ``(flat_new_params, new_state, loss0)``: the same numbers as the jitted step.
+    """
+    sdt = hparam_dtype()
+
+    def on_host(x):
+        loss, g = evaluate(jnp.asarray(x))
+        return np.asarray(loss).astype(sdt), np.asarray(g).astype(x0.dtype)
+
+    loss0, g0 = on_host(x0)  # torch: orig_loss = closure()
+    x, new_state = _lbfgs_iterate(on_host, x0, loss0, g0, state, state.hparams.static, _Eager)
+    return jnp.asarray(x), jax.tree.map(jnp.asarray, new_state), jnp.asarray(loss0)
+
+
+def _direction(c, first, history_size):
+    """The L-BFGS two-loop recursion, after updating the curvature memory."""
+    g = c["g"]
+    y = g - c["prev_flat_grad"]
+    s = c["d"] * c["t"].astype(g.dtype)
+    ys = jnp.dot(y, s)
+    push = ~first & (ys > 1e-10)
+    slot = c["history_count"] % history_size
+    old_dirs = c["old_dirs"].at[slot].set(jnp.where(push, y, c["old_dirs"][slot]))
+    old_stps = c["old_stps"].at[slot].set(jnp.where(push, s, c["old_stps"][slot]))
+    ro = c["ro"].at[slot].set(jnp.where(push, 1.0 / ys, c["ro"][slot]))
+    count = jnp.where(first, 0, c["history_count"] + push.astype(jnp.int32))
+    h_diag = jnp.where(first, jnp.ones_like(c["H_diag"]), c["H_diag"])
+    h_diag = jnp.where(push, (ys / jnp.dot(y, y)).astype(h_diag.dtype), h_diag)
+    num_old = jnp.minimum(count, history_size)
+    base = count - num_old
+
+    def row(i):
+        return (base + i) % history_size
+
+    def backward(k, carry):
+        q, al = carry
+        i = num_old - 1 - k
+        a = jnp.dot(old_stps[row(i)], q) * ro[row(i)]
+        return q + (-a) * old_dirs[row(i)], al.at[i].set(a)
+
+    q, al = jax.lax.fori_loop(0, num_old, backward, (-g, jnp.zeros_like(ro)))
+    r = q * h_diag.astype(q.dtype)
+
+    def forward(i, r):
+        be_i = jnp.dot(old_dirs[row(i)], r) * ro[row(i)]
+        return r + (al[i] - be_i) * old_stps[row(i)]
+
+    d = jax.lax.fori_loop(0, num_old, forward, r)
+    return d, old_dirs, old_stps, ro, count, h_diag
+
+
+# pure, so jitted once (also when the step around it runs eagerly); inlined under a trace
+_DIRECTION = jax.jit(_direction, static_argnums=2)
+_DIRECTION_KEYS = ("g", "prev_flat_grad", "d", "t", "old_dirs", "old_stps", "ro", "history_count", "H_diag")
+
+
+def _lbfgs_iterate(evaluate, x0, loss0, g0, state, static, ops):
+    """torch's iterations of one step from ``(x0, loss0, g0)``: ``(x, new_state)``."""
+    history_size, line_search = static["history_size"], static["line_search_fn"]
+    xp, sdt, hparams = ops.xp, hparam_dtype(), state.hparams
+    state, x0, loss0, g0 = ops.host((state, x0, loss0, g0))
     hp = state.hparams
     lr = hp["lr"].astype(sdt)
     tolerance_grad, tolerance_change = hp["tolerance_grad"], hp["tolerance_change"]
@@ -256,57 +393,24 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
         "prev_loss": state.prev_loss,
         "state_n_iter": state.n_iter,
         "func_evals": state.func_evals + 1,
-        "current_evals": jnp.ones((), jnp.int32),
-        "n_iter": jnp.zeros((), jnp.int32),
+        "current_evals": xp.ones((), xp.int32),
+        "n_iter": xp.zeros((), xp.int32),
         # torch returns at once when the first gradient is already optimal
-        "stop": (jnp.max(jnp.abs(g0)) <= tolerance_grad) | (max_iter <= 0),
+        "stop": (xp.max(xp.abs(g0)) <= tolerance_grad) | (max_iter <= 0),
     }
-
-    def direction(c, first):
-        """The L-BFGS two-loop recursion, after updating the curvature memory."""
-        g = c["g"]
-        y = g - c["prev_flat_grad"]
-        s = c["d"] * c["t"].astype(g.dtype)
-        ys = jnp.dot(y, s)
-        push = ~first & (ys > 1e-10)
-        slot = c["history_count"] % history_size
-        old_dirs = c["old_dirs"].at[slot].set(jnp.where(push, y, c["old_dirs"][slot]))
-        old_stps = c["old_stps"].at[slot].set(jnp.where(push, s, c["old_stps"][slot]))
-        ro = c["ro"].at[slot].set(jnp.where(push, 1.0 / ys, c["ro"][slot]))
-        count = jnp.where(first, 0, c["history_count"] + push.astype(jnp.int32))
-        h_diag = jnp.where(first, jnp.ones_like(c["H_diag"]), c["H_diag"])
-        h_diag = jnp.where(push, (ys / jnp.dot(y, y)).astype(h_diag.dtype), h_diag)
-        num_old = jnp.minimum(count, history_size)
-        base = count - num_old
-
-        def row(i):
-            return (base + i) % history_size
-
-        def backward(k, carry):
-            q, al = carry
-            i = num_old - 1 - k
-            a = jnp.dot(old_stps[row(i)], q) * ro[row(i)]
-            return q + (-a) * old_dirs[row(i)], al.at[i].set(a)
-
-        q, al = jax.lax.fori_loop(0, num_old, backward, (-g, jnp.zeros_like(ro)))
-        r = q * h_diag.astype(q.dtype)
-
-        def forward(i, r):
-            be_i = jnp.dot(old_dirs[row(i)], r) * ro[row(i)]
-            return r + (al[i] - be_i) * old_stps[row(i)]
-
-        d = jax.lax.fori_loop(0, num_old, forward, r)
-        return d, old_dirs, old_stps, ro, count, h_diag
 
     def body(c):
         n_iter = c["n_iter"] + 1
         state_n_iter = c["state_n_iter"] + 1
         first = state_n_iter == 1
-        d, old_dirs, old_stps, ro, count, h_diag = direction(c, first)
+        d, old_dirs, old_stps, ro, count, h_diag = ops.host(
+            _DIRECTION({k: c[k] for k in _DIRECTION_KEYS}, first, history_size)
+        )
         g, loss = c["g"], c["loss"]
         # reset initial guess for step size: the first ever iteration scales by the L1 norm
-        t = jnp.where(first, jnp.minimum(1.0, 1.0 / jnp.sum(jnp.abs(g)).astype(sdt)) * lr, lr)
-        gtd = jnp.dot(g, d)
+        # torch: min(1.0, 1.0 / flat_grad.abs().sum()) * lr, Python's min (a NaN norm: 1)
+        t = xp.where(first, _py_min(xp, 1.0, 1.0 / xp.sum(xp.abs(g)).astype(sdt)) * lr, lr)
+        gtd = xp.dot(g, d)
         new = {
             **c,
             "d": d,
@@ -326,32 +430,32 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
             x = c["x"]
             if line_search == "strong_wolfe":
                 loss, g, t, ls_evals = _strong_wolfe(
-                    evaluate, x, c["t"], c["d"], c["loss"], c["g"], gtd, c["max_ls"]
+                    evaluate, x, c["t"], c["d"], c["loss"], c["g"], gtd, c["max_ls"], ops
                 )
-                opt_cond = jnp.max(jnp.abs(g)) <= tolerance_grad
+                opt_cond = xp.max(xp.abs(g)) <= tolerance_grad
             else:
                 t = c["t"]
 
                 def reevaluate(x):
                     loss, g = evaluate(x)
-                    return loss, g, jnp.max(jnp.abs(g)) <= tolerance_grad, jnp.ones((), jnp.int32)
+                    return loss, g, xp.max(xp.abs(g)) <= tolerance_grad, xp.ones((), xp.int32)
 
                 def keep(x):
                     del x
-                    return c["loss"], c["g"], jnp.zeros((), bool), jnp.zeros((), jnp.int32)
+                    return c["loss"], c["g"], xp.zeros((), bool), xp.zeros((), xp.int32)
 
                 # torch re-evaluates only if this is not the last iteration
-                loss, g, opt_cond, ls_evals = jax.lax.cond(
-                    c["n_iter"] != max_iter, reevaluate, keep, _axpy(x, t, c["d"])
+                loss, g, opt_cond, ls_evals = ops.cond(
+                    c["n_iter"] != max_iter, reevaluate, keep, _axpy(x, t, c["d"], xp)
                 )
-            x = _axpy(x, t, c["d"])
+            x = _axpy(x, t, c["d"], xp)
             current_evals = c["current_evals"] + ls_evals
             stop = (
                 (c["n_iter"] == max_iter)
                 | (current_evals >= max_eval)
                 | opt_cond
-                | (jnp.max(jnp.abs(c["d"] * t.astype(x.dtype))) <= tolerance_change)
-                | (jnp.abs(loss - c["prev_loss"]) < tolerance_change)
+                | (xp.max(xp.abs(c["d"] * t.astype(x.dtype))) <= tolerance_change)
+                | (xp.abs(loss - c["prev_loss"]) < tolerance_change)
             )
             return {
                 **{k: v for k, v in c.items() if k != "max_ls"},
@@ -365,15 +469,15 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
             }
 
         def halt(c):
-            return {**{k: v for k, v in c.items() if k != "max_ls"}, "stop": jnp.ones((), bool)}
+            return {**{k: v for k, v in c.items() if k != "max_ls"}, "stop": xp.ones((), bool)}
 
         # directional derivative is below tolerance: stop before moving
         new["max_ls"] = max_eval - c["current_evals"]
-        return jax.lax.cond(gtd > -tolerance_change, halt, move, new)
+        return ops.cond(gtd > -tolerance_change, halt, move, new)
 
-    c = jax.lax.while_loop(lambda c: ~c["stop"], body, c)
+    c = ops.while_loop(lambda c: ~c["stop"], body, c)
     new_state = LBFGSState(
-        hparams=state.hparams,
+        hparams=hparams,
         count=state.count + 1,
         d=c["d"],
         t=c["t"],
@@ -387,7 +491,7 @@ def _lbfgs_step(params, grads, state, value_fn, value, static):
         n_iter=c["state_n_iter"],
         func_evals=c["func_evals"],
     )
-    return unravel(c["x"]), new_state, loss0
+    return c["x"], new_state
 
 
 def lbfgs(
@@ -484,7 +588,7 @@ def lbfgs(
     if max_eval is None:
         max_eval = max_iter * 5 // 4
     static = {"history_size": history_size, "line_search_fn": line_search_fn}
-    values = {"lr": lr, "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
+    values = {"lr": squeeze_lr(lr), "tolerance_grad": tolerance_grad, "tolerance_change": tolerance_change}
     _validate({k: to_python(v) for k, v in values.items()}, static)
     hdt = hparam_dtype()
     hp_values = {k: jnp.asarray(v, hdt) for k, v in values.items()}

@@ -470,7 +470,11 @@ class SWALR(LRScheduler):
 
 
 class CyclicLR(LRScheduler):
-    """``torch.optim.lr_scheduler.CyclicLR`` (see ``schedules.cyclic_lr``); cycles momentum/beta1."""
+    """``torch.optim.lr_scheduler.CyclicLR`` (see ``schedules.cyclic_lr``); cycles momentum/beta1.
+
+    A custom ``scale_fn`` is called eagerly with a Python int, as torch does (any Python
+    code works, as for :class:`LambdaLR`).
+    """
 
     def __init__(
         self,
@@ -493,6 +497,7 @@ class CyclicLR(LRScheduler):
             cycle_momentum, base_momentum, max_momentum, lr=_lrs(optimizer),
         )  # fmt: skip
         spec = sched._spec
+        spec.eager = scale_fn is not None  # torch calls scale_fn with a Python number
         constants = {
             "total_size": spec.total_size, "step_ratio": spec.step_ratio, "mode": mode, "gamma": gamma,
             "scale_mode": spec.scale_mode, "cycle_momentum": cycle_momentum,

@@ -23,7 +23,7 @@ _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     lr, momentum, weight_decay = hp["lr"], hp["momentum"], hp["weight_decay"]
-    if not lr >= 0.0:
+    if not 0.0 <= lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
     if not momentum >= 0.0:
         raise ValueError(f"momentum should be >= 0 but is: {momentum}")

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import betas_to_scalars, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._checks import betas_to_scalars, is_tensor, tensor_to_scalar, validate_lr_eps_betas_wd
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
     decay_square,
     lerp,
+    rdiv,
+    rounded_product,
     signed_grad,
     step_as_float,
 )
@@ -61,18 +63,26 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     denom = (c(denom) + c(eps)).astype(dtype)
     hd = t.dtype
     if static["differentiable"]:
-        # torch's differentiable path keeps the tensors: ``1.0 - mu_product`` and
-        # ``mu_product * mu_next`` are computed and rounded in mu_product's float32
-        mu_product_next = mu_product * mu_next.astype(mp_dtype)
-        one_minus = (1.0 - mu_product).astype(hd)
-        one_minus_next = (1.0 - mu_product_next).astype(hd)
+        # torch's differentiable path keeps the tensors: ``1.0 - mu_product``,
+        # ``mu_product * mu_next`` and the two coefficients (a Python double divided by a
+        # float32 tensor, which torch computes as ``tensor.reciprocal() * number``) are
+        # computed and rounded in mu_product's float32
+        # each product rounded before ``1.0 - ...``, as torch's tensor ops are (not one FMA)
+        mu_product = rounded_product(buffers["mu_product"], mu.astype(mp_dtype))
+        mu_product_next = rounded_product(mu_product, mu_next.astype(mp_dtype))
+        if static["tensor_lr"]:
+            # a tensor lr (float64): tensor / tensor, promoted to float64
+            coef_grad = -lr * (1.0 - mu) / (1.0 - mu_product).astype(hd)
+            coef_avg = (-lr * mu_next) / (1.0 - mu_product_next).astype(hd)
+        else:
+            # a Python float lr: a number over a float32 tensor, in float32
+            coef_grad = rdiv(-lr * (1.0 - mu), 1.0 - mu_product).astype(hd)
+            coef_avg = rdiv(-lr * mu_next, 1.0 - mu_product_next).astype(hd)
     else:
         # ``_get_value(mu_product)``: the float32 value, then double arithmetic
         mu_product_next = mu_product.astype(hd) * mu_next
-        one_minus = 1.0 - mu_product.astype(hd)
-        one_minus_next = 1.0 - mu_product_next
-    coef_grad = -lr * (1.0 - mu) / one_minus
-    coef_avg = (-lr * mu_next) / one_minus_next
+        coef_grad = -lr * (1.0 - mu) / (1.0 - mu_product.astype(hd))
+        coef_avg = (-lr * mu_next) / (1.0 - mu_product_next)
     new_param = (c(param) + c(coef_grad) * c(grad) / c(denom)).astype(dtype)
     new_param = (c(new_param) + c(coef_avg) * c(exp_avg) / c(denom)).astype(dtype)
     return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "mu_product": mu_product}
@@ -134,8 +144,10 @@ def nadam(
       capturable: accepted for torch compatibility; no effect.
       differentiable: every step is differentiable with ``jax.grad`` either way. With
         True, :math:`1 - P_t` and :math:`P_t \mu_{t+1}` are rounded to ``mu_product``'s
-        float32, as torch's ``differentiable=True`` path computes them (with a float64
-        tensor ``lr``, as meta-learning uses it); a 1e-8 relative effect (static).
+        float32, as torch's ``differentiable=True`` path computes them, and so are the
+        two step coefficients when ``lr`` is a number (torch: a Python float over a
+        float32 tensor); with ``lr`` given as an array (torch: a tensor ``lr``, as
+        meta-learning uses it) they are float64. A 1e-8 relative effect (static).
 
     Returns:
       An optax ``GradientTransformationExtraArgs`` whose state is a ``TorchState`` with
@@ -171,6 +183,7 @@ def nadam(
       ``torch.optim.NAdam`` (``_single_tensor_nadam``).
     """
     del foreach, capturable
+    tensor_lr = is_tensor(lr)
     lr = tensor_to_scalar("lr", lr)
     hparams = {
         "lr": lr,
@@ -183,5 +196,7 @@ def nadam(
         "maximize": bool(maximize),
         "decoupled_weight_decay": bool(decoupled_weight_decay),
         "differentiable": bool(differentiable),
+        # torch's differentiable path computes in the dtype of lr: a tensor's or float32
+        "tensor_lr": tensor_lr,
     }
     return make_optimizer(NADAM_ALGORITHM, hparams, static)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay, squeeze_lr
+from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay
 from functorch_optim._hyperparams import to_python
-from functorch_optim._torch_ops import lerp_formula, op_casts, signed_grad
+from functorch_optim._torch_ops import fma, lerp_fma, op_casts, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -45,9 +45,14 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     c, a, r = op_casts(dtype)
     lr, alpha, eps, wd = hp["lr"], hp["alpha"], hp["eps"], hp["weight_decay"]
 
+    # torch's CPU kernels round addcmul, lerp and add(alpha=) once (fused multiply-adds);
+    # under cancellation (centered, square_avg - grad_avg**2) a second rounding is
+    # amplified by orders of magnitude, so each is an exact ``fma`` here
+
     def effective_grad(param, grad):
         grad = signed_grad(grad, dtype, static["maximize"])
-        return jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+        # grad.add(param, alpha=weight_decay)
+        return jnp.where(wd != 0, r(fma(c(param), a(wd), c(grad))), grad)
 
     def fresh(param, grad):
         # One pass over memory per written array, each fused by XLA and each reading the
@@ -64,18 +69,18 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     g = effective_grad(param, grad)
     # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
     square_avg = r(c(buffers["square_avg"]) * c(alpha))
-    out = {"square_avg": r(c(square_avg) + c(1 - alpha) * c(g) * c(g))}
+    out = {"square_avg": r(fma(c(1 - alpha) * c(g), c(g), c(square_avg)))}
     if static["centered"]:
         param, g = fresh(param, grad)
         # grad_avg.lerp_(grad, 1 - alpha)
-        out["grad_avg"] = r(lerp_formula(c(buffers["grad_avg"]), c(g), c(1 - alpha)))
+        out["grad_avg"] = r(lerp_fma(c(buffers["grad_avg"]), c(g), c(1 - alpha)))
 
     def denominator():
         square_avg = out["square_avg"]
         if static["centered"]:
             # avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
             grad_avg = out["grad_avg"]
-            avg = r(jnp.sqrt(c(r(c(square_avg) + c(-1.0) * c(grad_avg) * c(grad_avg)))))
+            avg = r(jnp.sqrt(fma(-c(grad_avg), c(grad_avg), c(square_avg))))
         else:
             avg = r(jnp.sqrt(c(square_avg)))
         # avg.add_(eps): eps outside the square root
@@ -96,7 +101,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     new_param = r(c(param) + c(-lr) * c(g) / c(denominator()))
     if static["has_momentum"]:
         # where the momentum branch is taken, the returned buffer is the new one
-        with_momentum = r(c(param) + a(-lr) * c(out["momentum_buffer"]))
+        with_momentum = r(fma(c(out["momentum_buffer"]), a(-lr), c(param)))
         new_param = jnp.where(use, with_momentum, new_param)
     return new_param, out
 
@@ -146,7 +151,8 @@ def rmsprop(
       eps: term :math:`\epsilon` added to the square root (outside it), default 1e-8.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
       momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
-        at all; a momentum set later through ``set_hparams`` must then stay 0.
+        at all; a momentum set later through ``set_hparams`` must then stay 0. A schedule
+        or a JAX array (``optax.inject_hyperparams``) always keeps the buffer.
       centered: normalize by an estimate of the gradient's variance, default False
         (static; adds the ``grad_avg`` buffer).
       capturable: accepted for torch compatibility; no effect (every step is jittable).
@@ -190,12 +196,13 @@ def rmsprop(
     """
     del capturable, foreach, differentiable
     hparams = {
-        "lr": squeeze_lr(lr),
+        "lr": lr,
         "alpha": alpha,
         "eps": eps,
         "weight_decay": weight_decay,
         "momentum": momentum,
     }
-    has_momentum = callable(momentum) or to_python(momentum) > 0
+    # a schedule or a JAX array (an injected input) can change: keep the buffer
+    has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) > 0
     static = {"centered": bool(centered), "maximize": bool(maximize), "has_momentum": has_momentum}
     return make_optimizer(RMSPROP_ALGORITHM, hparams, static)

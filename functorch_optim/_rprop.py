@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_lr, squeeze_lr
-from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
+from functorch_optim._checks import check_lr
+from functorch_optim._torch_ops import op_casts, sign, signed_grad, zero_buffers
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -32,8 +32,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     step_size = jnp.where(step == 1, r(jnp.full_like(buffers["step_size"], hp["lr"])), buffers["step_size"])
     # sign = grad.mul(prev).sign(); > 0 -> etaplus, < 0 -> etaminus, == 0 -> 1 (in the param dtype)
     prod = r(c(grad) * c(prev))
-    factor = jnp.where(prod == 0, jnp.ones((), dtype), jnp.sign(prod))  # NaN stays NaN
-    factor = jnp.where(prod > 0, r(c(etaplus)), jnp.where(prod < 0, r(c(etaminus)), factor))
+    # torch's CPU sign of a NaN is 0: the factor is 1 there, like a zero product
+    factor = jnp.where(prod > 0, r(c(etaplus)), jnp.where(prod < 0, r(c(etaminus)), jnp.ones((), dtype)))
 
     def clamp(step_size):
         return r(jnp.minimum(jnp.maximum(c(step_size), c(step_size_min)), c(step_size_max)))
@@ -61,7 +61,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     grad = jnp.where(flipped, jnp.zeros((), dtype), grad)
     param, grad, step_size = jax.lax.optimization_barrier((param, grad, step_size))
     # param.addcmul_(grad.sign(), step_size, value=-1)
-    new_param = r(c(param) + c(-1.0) * c(jnp.sign(grad)) * c(step_size))
+    new_param = r(c(param) + c(-1.0) * c(sign(grad)) * c(step_size))
     return new_param, {"prev": grad, "step_size": step_size}
 
 
@@ -150,5 +150,5 @@ def rprop(
       (``_single_tensor_rprop``).
     """
     del capturable, foreach, differentiable
-    hparams = {"lr": squeeze_lr(lr), "etas": tuple(etas), "step_sizes": tuple(step_sizes)}
+    hparams = {"lr": lr, "etas": tuple(etas), "step_sizes": tuple(step_sizes)}
     return make_optimizer(RPROP_ALGORITHM, hparams, {"maximize": bool(maximize)})

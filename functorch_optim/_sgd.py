@@ -73,7 +73,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening), each op rounded
         decayed = (c(buf) * momentum).astype(dtype)
         new_buf = (c(decayed) + hp["one_minus_dampening"] * c(g)).astype(dtype)
-        # torch seeds a missing buffer with the raw gradient: dampening skipped on step 1
+        # torch creates the buffer on the first step with momentum != 0, seeded with the
+        # raw gradient (no dampening); ``step`` counts those steps: 1 = the buffer is new
         new_buf = jnp.where(step == 1, g, new_buf)
         use = hp["use_momentum"]
         new_buf = jnp.where(use, new_buf, buf)
@@ -92,6 +93,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, out
 
 
+def _advances(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Any:
+    # with a buffer, ``step`` counts the steps taken with momentum != 0: torch's buffer
+    # exists once there was one (``step > 0``), and the first one seeds it
+    return hp["momentum"] != 0 if static["has_momentum"] else True
+
+
 SGD_ALGORITHM = Algorithm(
     name="SGD",
     validate=_validate,
@@ -99,6 +106,7 @@ SGD_ALGORITHM = Algorithm(
     step_leaf=_step_leaf,
     torch_step=None,
     prepare=_prepare,
+    advances=_advances,
 )
 
 
@@ -123,7 +131,7 @@ def sgd(
 
         g_t &\leftarrow -g_t \quad \text{if maximize} \\
         g_t &\leftarrow g_t + \lambda \theta_{t-1} \quad \text{if } \lambda \ne 0 \\
-        b_t &\leftarrow \begin{cases} g_t & \text{first gradient of } \theta \\
+        b_t &\leftarrow \begin{cases} g_t & \text{first step of } \theta \text{ with } \mu \ne 0 \\
                        \mu b_{t-1} + (1 - \tau) g_t & \text{otherwise} \end{cases} \\
         g_t &\leftarrow g_t + \mu b_t \ \text{if nesterov, else}\ b_t
               \quad (\text{if } \mu \ne 0) \\
@@ -136,7 +144,8 @@ def sgd(
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
         schedule ``count -> value``.
       momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
-        at all; a momentum set later through ``set_hparams`` must then stay 0.
+        at all; a momentum set later through ``set_hparams`` must then stay 0. A schedule
+        or a JAX array (``optax.inject_hyperparams``) always keeps the buffer.
       dampening: dampening :math:`\tau` for momentum, default 0.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
       nesterov: use Nesterov momentum, default False (static).
@@ -156,9 +165,12 @@ def sgd(
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
-      ``buffers["momentum_buffer"]`` (when momentum > 0) and ``buffers["step"]``, the
-      number of gradients each parameter has received (torch keeps no ``step`` for SGD;
-      it is how the first-gradient rule survives ``jit``).
+      ``buffers["momentum_buffer"]`` (when momentum > 0) and ``buffers["step"]``
+      (torch keeps no ``step`` for SGD; it is how the first-gradient rule survives
+      ``jit``): with a buffer, the number of steps a parameter took with momentum != 0
+      (torch creates the buffer, seeded with the raw gradient, on the first of them, so
+      ``step > 0`` is torch's "the buffer exists"; a step while ``set_hparams`` holds
+      momentum at 0 leaves it), else the number of gradients it has received.
 
     Raises:
       ValueError: ``Invalid learning rate: {lr}``, ``Invalid momentum value: {momentum}``,
@@ -191,7 +203,8 @@ def sgd(
     """
     check_fused_flags(fused, differentiable, foreach)
     hparams = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
-    has_momentum = callable(momentum) or to_python(momentum) != 0
+    # a schedule or a JAX array (an injected input) can change: keep the buffer
+    has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) != 0
     static = {"nesterov": bool(nesterov), "maximize": bool(maximize), "has_momentum": has_momentum}
     algorithm = (
         fused_algorithm(SGD_ALGORITHM, sgd_kernel, auto=fused is None)

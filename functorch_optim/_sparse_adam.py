@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_betas
+from functorch_optim._checks import betas_to_scalars, check_betas
 from functorch_optim._torch_ops import signed_grad, zero_buffers
 from functorch_optim._tree import opmath_dtype
 
@@ -18,7 +18,7 @@ from functorch_optim._tree import opmath_dtype
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
     del static
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
-    if not lr > 0.0:
+    if not 0.0 < lr:  # noqa: SIM300 (torch's form: its TypeError text)
         raise ValueError(f"Invalid learning rate: {lr}")
     if not eps > 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
@@ -139,5 +139,5 @@ def sparse_adam(
       Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015. Mirrors
       ``torch.optim.SparseAdam`` (``torch.optim._functional.sparse_adam``).
     """
-    hparams = {"lr": lr, "betas": tuple(betas), "eps": eps}
+    hparams = {"lr": lr, "betas": betas_to_scalars(betas), "eps": eps}
     return make_optimizer(SPARSE_ADAM_ALGORITHM, hparams, {"maximize": bool(maximize)})

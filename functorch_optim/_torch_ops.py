@@ -60,11 +60,115 @@ def signed_grad(grad: jax.Array, dtype: Any, maximize: bool) -> jax.Array:
     return -grad if maximize else grad
 
 
+def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x = hi + lo`` exactly, ``hi`` rounded to half the significand's bits (by integer
+    ops on the bits, so no multiply XLA could contract), ``lo`` the rest: products of
+    the halves of two numbers are exact."""
+    info = jnp.finfo(x.dtype)
+    low = (info.nmant + 2) // 2  # bits cleared: 27 for float64, 12 for float32
+    itype = jnp.int64 if x.dtype == jnp.float64 else jnp.int32
+    bits = jax.lax.bitcast_convert_type(x, itype)
+    rounded = (bits + (1 << (low - 1))) & ~((1 << low) - 1)
+    hi = jax.lax.bitcast_convert_type(rounded.astype(itype), x.dtype)
+    return hi, x - hi
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Knuth's TwoSum: ``s = fl(a + b)`` and the exact error ``a + b - s`` (additions
+    only: nothing for XLA to contract)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@jax.custom_jvp
+def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """``a * b + c`` rounded once, as the fused multiply-adds of torch's CPU kernels
+    (``addcmul`` is ``fma(value * t1, t2, self)``, ``lerp`` and ``add(alpha=)`` are FMAs).
+
+    JAX has no FMA primitive, and whether XLA contracts ``a * b + c`` depends on
+    ``jit`` and the surrounding fusion; this computes it exactly in the arrays' own
+    dtype (float32 or float64), independent of contraction: the product as an exact
+    pair (Dekker's product of split halves), then ``product + c`` summed with rounding
+    to odd for the low part and to nearest at the end (Boldo and Melquiond, "Emulation
+    of FMA and correctly rounded sums: proved algorithms using rounding to odd", 2008).
+    Where ``a * b + c`` is not finite (or underflows) it is the plain expression.
+    """
+    a, b, c = jnp.broadcast_arrays(*(jnp.asarray(x) for x in (a, b, c)))
+    plain = a * b + c
+    p = a * b
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    # Dekker: every operation exact, so a contraction by XLA computes the same values
+    e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    th, tl = _two_sum(c, p)
+    v, w = _two_sum(tl, e)
+    # v rounded to odd: where inexact and even, the neighbour toward the exact value
+    itype = jnp.int64 if a.dtype == jnp.float64 else jnp.int32
+    even = (jax.lax.bitcast_convert_type(v, itype) & 1) == 0
+    odd = jnp.where((w != 0) & even, jnp.nextafter(v, jnp.where(w > 0, jnp.inf, -jnp.inf).astype(v.dtype)), v)
+    exact = th + odd
+    tiny = jnp.finfo(a.dtype).tiny / jnp.finfo(a.dtype).eps
+    usable = jnp.isfinite(plain) & jnp.isfinite(p) & (jnp.abs(p) > tiny)
+    return jnp.where(usable, exact, plain)
+
+
+def rdiv(number: Any, tensor: jax.Array) -> jax.Array:
+    """torch's ``number / tensor`` (``Tensor.__rtruediv__``): ``tensor.reciprocal() *
+    number``, two roundings in the tensor's dtype. The barrier keeps XLA from folding
+    the product back into one division (one rounding)."""
+    reciprocal = jax.lax.optimization_barrier(1 / tensor)
+    return reciprocal * jnp.asarray(number).astype(tensor.dtype)
+
+
+@fma.defjvp
+def _fma_jvp(primals, tangents):
+    # the derivative of a * b + c (the bit manipulations have none)
+    a, b, c = primals
+    da, db, dc = tangents
+    return fma(a, b, c), da * b + a * db + dc
+
+
+def rounded_product(a: jax.Array, b: Any) -> jax.Array:
+    """``a * b`` in ``a``'s dtype, rounded before whatever follows: torch rounds every
+    tensor op, where XLA on the CPU may contract a product into a following add or
+    subtract (one FMA; neither an ``optimization_barrier`` nor a round trip through
+    float64 stops it). ``fma(a, b, 0)`` is the rounded product, and its result is a
+    select, which no contraction crosses."""
+    b = jnp.asarray(b).astype(a.dtype)
+    return fma(a, b, jnp.zeros_like(a))
+
+
+def sign(x: jax.Array) -> jax.Array:
+    """torch's ``sign`` on the CPU: like ``jnp.sign``, but 0 for a NaN (``jnp.sign`` gives NaN)."""
+    return jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), jnp.sign(x))
+
+
+def py_max(first: Any, second: Any) -> jax.Array:
+    """Python's ``max(first, second)`` on the scalars torch computes in Python floats:
+    ``second`` only where it is greater, so a NaN ``second`` gives ``first`` (and a NaN
+    ``first`` stays), where ``jnp.maximum`` propagates either NaN."""
+    return jnp.where(second > first, second, first)
+
+
+def py_min(first: Any, second: Any) -> jax.Array:
+    """Python's ``min(first, second)``: ``second`` only where it is smaller (see ``py_max``)."""
+    return jnp.where(second < first, second, first)
+
+
 def lerp_formula(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
     """torch's CPU ``lerp`` formula (``aten/src/ATen/native/Lerp.h``), on values already in
     the compute dtype: two branches split at ``|weight| < 0.5``, exact at both ends."""
     diff = end - start
     return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
+
+
+def lerp_fma(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
+    """``lerp_formula`` with each branch one exact fused multiply-add, as torch's CPU
+    kernel computes it: ``fma(weight, diff, start)`` or ``fma(-diff, 1 - weight, end)``."""
+    diff = end - start
+    weight = jnp.broadcast_to(jnp.asarray(weight, start.dtype), start.shape)
+    return jnp.where(jnp.abs(weight) < 0.5, fma(weight, diff, start), fma(-diff, 1 - weight, end))
 
 
 def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:

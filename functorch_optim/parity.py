@@ -28,13 +28,15 @@ learning-rate sequences.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
 import math
 import sys
+import textwrap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -745,6 +747,9 @@ def run_parity(
 ) -> ParityResult:
     """Run the parity report and return its rows.
 
+    torch runs on one thread meanwhile (its tensors here have a few elements; a second
+    thread only waits for a busy core), restored afterwards.
+
     Args:
       quick: run ``quick_configs`` of each grid and ``QUICK_STEPS`` steps instead of the
         whole grid and ``FULL_STEPS`` steps, default False.
@@ -776,16 +781,16 @@ def run_parity(
         if not specs and not scheds:
             known = ", ".join([s.name for s in OPTIMIZERS] + [s.name for s in _scheduler_specs()])
             raise ValueError(f"--only {', '.join(only)}: nothing by these names; known: {known}")
-    work: list[tuple[str, Any, dict[str, Any]]] = []
+    tasks: list[tuple[Any, list[dict[str, Any]]]] = []
     for spec in specs:
         # a closure-driven optimizer compiles a whole minimisation per step: fewer quick rows
         limit = 2 if getattr(spec, "closure", False) else 3
-        configs = quick_configs(spec.grid, limit) if quick else [dict(c) for c in spec.grid]
-        work += [("optimizer", spec, c) for c in configs]
+        tasks.append((spec, quick_configs(spec.grid, limit) if quick else [dict(c) for c in spec.grid]))
+    sched_work = []
     for spec in scheds:
         grid = list(getattr(spec, "grid", ({},)))
         configs = quick_configs(grid, limit=2) if quick else [dict(c) for c in grid]
-        work += [("scheduler", spec, c) for c in configs]
+        sched_work += [(spec, c) for c in configs]
 
     try:
         from tqdm.auto import tqdm
@@ -796,18 +801,35 @@ def run_parity(
             return _NoBar()
 
     t0 = time.perf_counter()
-    cache = _StepCache()
+    total = sum(len(c) for _, c in tasks) + len(sched_work)
+    bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="row", desc="parity")
     rows = []
-    bar = tqdm(total=len(work), disable=not progress, file=sys.stderr, unit="row", desc="parity")
-    for kind, spec, config in work:
-        bar.set_postfix_str(f"{spec.torch_name}", refresh=False)
-        if kind == "optimizer":
-            rows.append(_optimizer_row(spec, config, steps, cache, with_optax, rtol))
-        else:
+    with _torch_threads(1):
+        for spec, configs in tasks:
+            cache = _StepCache()  # an optimizer's rows share compiled steps
+            for config in configs:
+                bar.set_postfix_str(spec.torch_name, refresh=False)
+                rows.append(_optimizer_row(spec, config, steps, cache, with_optax, rtol))
+                bar.update()
+        for spec, config in sched_work:
+            bar.set_postfix_str(spec.torch_name, refresh=False)
             rows.append(_scheduler_row(spec, config, steps, rtol))
-        bar.update()
+            bar.update()
     bar.close()
     return ParityResult(rows, steps, quick, rtol, _versions(), time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Run torch on ``n`` threads inside the block, as many as before afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _NoBar:
@@ -829,33 +851,140 @@ def _num(x: float | None) -> str:
     return f"{x:.2e}"
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+def _table(header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    """Aligned columns (those in ``right`` flush right), a dashed rule under the header."""
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    def line(cells):
+        out = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in body)]
 
 
-def format_report(result: ParityResult) -> str:
-    """The two tables of the report as text (torch parity, then optax beside torch).
+def format_report(result: ParityResult, *, wide: bool = False, width: int = 100) -> str:
+    """The report as text: a summary line per optimizer, or every row with ``wide``.
+
+    The default fits ``width`` columns: for each optimizer (and scheduler) its row count,
+    how many match, the largest errors, how often optax's closest construction lands on
+    torch, and the configuration with the largest error (relative to its tolerance);
+    every row that mismatches or errors is listed in full below. ``wide`` prints the
+    tables of every row instead (torch parity, then optax beside torch).
 
     Args:
       result: what ``run_parity`` returned.
+      wide: one line per row, as wide as the configurations need, default False.
+      width: the column limit of the default report (wrapped text), default 100.
 
     Returns:
       The report, ending with a one-line summary.
     """
     v = result.versions
     rows = result.rows
+    intro = (
+        f"{result.steps} steps of random gradients on params {PARAM_SHAPES} (seed {SEED}); "
+        f"max relative error over all steps of params and state; configurations show the "
+        f"arguments that differ from torch's defaults; tolerance "
+        f"{result.rtol['float64']:g} (float64), {result.rtol['float32']:g} (float32)"
+        + ("; quick subset" if result.quick else "")
+    )
     lines = [
         f"functorch_optim {v['functorch_optim']} vs torch {v['torch']} (foreach=False); jax {v['jax']}, "
         f"optax {v['optax']}",
-        f"{result.steps} steps of random gradients on params {PARAM_SHAPES} (seed {SEED}); "
-        f"max relative error over all steps of params and state; config shows the "
-        f"arguments that differ from torch's defaults; tolerance "
-        f"{result.rtol['float64']:g} (float64), {result.rtol['float32']:g} (float32)"
-        + ("; quick subset" if result.quick else ""),
+        *(textwrap.wrap(intro, width) if not wide else [intro]),
         "",
     ]
+    lines += (_wide_tables if wide else _summary_tables)(result, width)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        lines += ["", "rows that do not match torch:"]
+    for r in bad:
+        text = f"{r.verdict} {r.name}({_short_config(r.name, r.config)})"
+        text += f": {r.error}" if r.error else f": max rel err f64 {_num(r.rel_f64)}, f32 {_num(r.rel_f32)}"
+        lines += [text] if wide else textwrap.wrap(text, width, subsequent_indent="    ")
+    s = result.summary()
+    summary = (
+        f"{s['match']}/{s['rows']} rows match torch ({s['mismatch']} mismatch, {s['error']} error); "
+        f"optax's closest construction matches torch in {s['optax_exact']}/{s['optax_rows']}; "
+        f"{result.seconds:.1f} s"
+    )
+    lines += ["", *([summary] if wide else textwrap.wrap(summary, width))]
+    return "\n".join(lines)
+
+
+def _badness(row: ParityRow, rtol: Mapping[str, float]) -> float:
+    """How far a row is from failing: its errors over their tolerances (inf: not run)."""
+    if row.rel_f64 is None:
+        return math.inf
+    f32 = 0.0 if row.rel_f32 is None else row.rel_f32 / rtol["float32"]
+    return max(row.rel_f64 / rtol["float64"], f32)
+
+
+def _largest(values: Sequence[float | None]) -> float | None:
+    known = [x for x in values if x is not None]
+    return max(known) if known else None
+
+
+def _summary_tables(result: ParityResult, width: int) -> list[str]:
+    """One line per optimizer and per scheduler, each followed by its worst configuration."""
+    groups: dict[tuple[str, str], list[ParityRow]] = {}
+    for r in result.rows:
+        groups.setdefault((r.kind, r.name), []).append(r)
+    lines: list[str] = []
+    for kind in ("optimizer", "scheduler"):
+        named = [(name, rs) for (k, name), rs in groups.items() if k == kind]
+        if not named:
+            continue
+        body, worst = [], []
+        for name, rs in named:
+            cells = [name, str(len(rs)), str(sum(r.ok for r in rs)), _num(_largest([r.rel_f64 for r in rs]))]
+            if kind == "optimizer":
+                cells.append(_num(_largest([r.rel_f32 for r in rs])))
+                with_optax = [r for r in rs if r.optax_rel_f64 is not None]
+                same = sum(r.optax_rel_f64 <= result.rtol["float64"] for r in with_optax)
+                cells += [
+                    f"{same}/{len(with_optax)}" if with_optax else "-",
+                    _num(_largest([r.optax_rel_f64 for r in with_optax])),
+                ]
+            body.append(cells)
+            worst.append(max(rs, key=lambda r: _badness(r, result.rtol)))
+        if kind == "optimizer":
+            header = ["optimizer", "rows", "match", "max f64", "max f32", "optax = torch", "optax max"]
+        else:
+            lines += [
+                "",
+                "learning-rate schedulers vs torch.optim.lr_scheduler (lr after each step, float64)",
+            ]
+            header = ["scheduler", "rows", "match", "max rel err"]
+        table = _table(header, body, right=range(1, len(header)))
+        lines += table[:2]
+        for line, w in zip(table[2:], worst, strict=True):
+            lines.append(line)
+            lines += textwrap.wrap(
+                f"worst: {_short_config(w.name, w.config)}",
+                width,
+                initial_indent="  ",
+                subsequent_indent="    ",
+            )
+    if groups:
+        lines += [
+            "",
+            "max f64 / f32: the largest relative error from torch; optax = torch: rows where optax's "
+            "closest construction lands within the float64 tolerance (optax max: its largest error); "
+            "worst: the configuration farthest from torch relative to the tolerance. "
+            "--wide: every row; --json: all numbers.",
+        ]
+        lines[-1:] = textwrap.wrap(lines[-1], width)
+    return lines
+
+
+def _wide_tables(result: ParityResult, width: int) -> list[str]:
+    """Every row: torch parity, schedulers, then optax's closest construction beside torch."""
+    rows = result.rows
+    lines: list[str] = []
     opt_rows = [r for r in rows if r.kind == "optimizer"]
     sched_rows = [r for r in rows if r.kind == "scheduler"]
     body = [
@@ -874,9 +1003,6 @@ def format_report(result: ParityResult) -> str:
             for r in sched_rows
         ]
         lines += _table(["scheduler", "config", "steps", "max rel err", "verdict"], body)
-    for r in rows:
-        if r.error:
-            lines.append(f"ERROR {r.name}({_short_config(r.name, r.config)}): {r.error}")
     if any(r.optax is not None for r in opt_rows):
         lines += ["", "optax's closest construction on the same steps (float64, params only)", ""]
         body = [
@@ -892,14 +1018,7 @@ def format_report(result: ParityResult) -> str:
             for r in opt_rows
         ]
         lines += _table(["optimizer", "config", "optax construction", "max rel err f64", "vs torch"], body)
-    s = result.summary()
-    lines += [
-        "",
-        f"{s['match']}/{s['rows']} rows match torch ({s['mismatch']} mismatch, {s['error']} error); "
-        f"optax's closest construction matches torch in {s['optax_exact']}/{s['optax_rows']}; "
-        f"{result.seconds:.1f} s",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 # --------------------------------------------------------------------------- CLI
@@ -914,10 +1033,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="a few configs per optimizer, fewer steps")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--wide", action="store_true", help="every row in full (lines as wide as the configs)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="only these optimizers/schedulers")
     p.add_argument("--steps", type=int, default=None, help="steps per row (default 50, quick 20)")
     p.add_argument("--no-optax", action="store_true", help="skip optax's closest constructions")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="compile every step afresh (default: XLA's persistent compilation cache in "
+        "$FUNCTORCH_OPTIM_CACHE/xla, default ~/.cache/functorch_optim/xla)",
+    )
     p.set_defaults(func=cli)
     return p
 
@@ -925,6 +1051,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cli(args: argparse.Namespace) -> int:
     """Run the ``parity`` subcommand; returns the exit status (1 on any mismatch)."""
     jax.config.update("jax_enable_x64", True)
+    if not args.no_cache:
+        _enable_compilation_cache()
     try:
         result = run_parity(
             quick=args.quick,
@@ -936,14 +1064,29 @@ def cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"functorch-optim parity: {exc}", file=sys.stderr)
         return 2
-    except ImportError as exc:
-        print(
-            f"functorch-optim parity: {exc}; the report runs torch: pip install 'functorch_optim[torch]'",
-            file=sys.stderr,
-        )
-        return 2
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(format_report(result))
+        print(format_report(result, wide=args.wide))
     return 0 if result.ok else 1
+
+
+def _enable_compilation_cache() -> str:
+    """Turn on XLA's persistent compilation cache, unless one is configured already.
+
+    Most of a report's time is XLA compiling the steps of its configurations (each a
+    different program); the cache keeps the compiled programs on disk, keyed by the
+    program, jaxlib's version and the compiler options, so a later run loads what an
+    earlier one compiled. The same programs run either way.
+
+    Returns:
+      The cache directory: ``jax_compilation_cache_dir`` when set, else
+      ``$FUNCTORCH_OPTIM_CACHE/xla`` (default ``~/.cache/functorch_optim/xla``).
+    """
+    from functorch_optim._fused import _cache_dir
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(_cache_dir() / "xla"))
+        # a step compiles in well under the default threshold of one second
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return jax.config.jax_compilation_cache_dir

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functorch_optim._base import step as _fo_step
+from functorch_optim._hyperparams import set_hparams
 from functorch_optim._registry import OptimizerSpec, get_spec
 from functorch_optim._tree import PyTree, is_none, keystr
 
@@ -172,6 +173,7 @@ def compare_with_torch(
     torch_loss_fn: Callable[[PyTree, Any], Any] | None = None,
     dtype: Any = None,
     buffers: Sequence[str] | None = None,
+    hparams_at: Mapping[int, Mapping[str, Any]] | None = None,
     **kwargs: Any,
 ) -> ParityReport:
     """Run torch's optimizer and functorch_optim's side by side; report every step's errors.
@@ -206,6 +208,10 @@ def compare_with_torch(
       dtype: cast params, gradients and data to this floating dtype (e.g.
         ``np.float32``); default: keep the params' dtype.
       buffers: the state names to compare; default the registry's for this optimizer.
+      hparams_at: mid-run hyperparameter changes, ``{step: {name: value}}``: before step
+        ``step`` (counted from 1) both sides take the new values, functorch_optim's through
+        ``set_hparams`` on its state, torch's by assignment into every ``param_groups``
+        entry (as a torch user changes ``lr`` mid-run). Default none.
       **kwargs: the optimizer's keyword arguments, given to both libraries.
 
     Returns:
@@ -213,8 +219,9 @@ def compare_with_torch(
 
     Raises:
       ValueError: for an unknown optimizer name, neither or both of ``grads`` and
-        ``loss_fn``/``data``, float64 requested with ``jax_enable_x64`` off, or a
-        gradient tree that does not match ``params``.
+        ``loss_fn``/``data``, float64 requested with ``jax_enable_x64`` off, a
+        gradient tree that does not match ``params``, or a ``hparams_at`` step outside
+        the run (and ``set_hparams``' errors for its values).
 
     Examples:
       >>> import numpy as np
@@ -245,9 +252,15 @@ def compare_with_torch(
         feed = _GradFeed(grads)
     else:
         feed = _LossFeed(loss_fn, list(data), torch_loss_fn, dtype_name)
+    changes = {int(t): dict(v) for t, v in (hparams_at or {}).items()}
+    bad = sorted(t for t in changes if not 1 <= t <= len(feed))
+    if bad:
+        raise ValueError(
+            f"compare_with_torch: hparams_at step {bad[0]} is outside the run (steps 1..{len(feed)})"
+        )
     runner = _FoRunner(spec, kwargs, params_np)
     torch_runner = _TorchRunner(spec, kwargs, params_np)
-    return _run(spec, kwargs, dtype_name, runner, torch_runner, feed, names)
+    return _run(spec, kwargs, dtype_name, runner, torch_runner, feed, names, changes)
 
 
 def assert_matches_torch(
@@ -262,6 +275,7 @@ def assert_matches_torch(
     torch_loss_fn: Callable[[PyTree, Any], Any] | None = None,
     dtype: Any = None,
     buffers: Sequence[str] | None = None,
+    hparams_at: Mapping[int, Mapping[str, Any]] | None = None,
     **kwargs: Any,
 ) -> ParityReport:
     """Assert that functorch_optim follows torch.optim within tolerance at every step.
@@ -281,6 +295,7 @@ def assert_matches_torch(
       torch_loss_fn: see ``compare_with_torch``.
       dtype: see ``compare_with_torch``.
       buffers: see ``compare_with_torch``.
+      hparams_at: see ``compare_with_torch``.
       **kwargs: the optimizer's keyword arguments, given to both libraries.
 
     Returns:
@@ -309,6 +324,7 @@ def assert_matches_torch(
         torch_loss_fn=torch_loss_fn,
         dtype=dtype,
         buffers=buffers,
+        hparams_at=hparams_at,
         **kwargs,
     )
     rtol = _default_rtol(report.dtype) if rtol is None else rtol
@@ -506,6 +522,9 @@ class _FoRunner:
     def buffers(self) -> Mapping[str, PyTree]:
         return getattr(self.state, "buffers", {})
 
+    def set_hparams(self, values: Mapping[str, Any]) -> None:
+        self.state = set_hparams(self.state, **values)
+
 
 class _TorchRunner:
     """torch's side: tensors in the params' tree order, ``foreach=False``."""
@@ -535,6 +554,10 @@ class _TorchRunner:
     def closure_step(self, closure: Callable[[], Any]) -> None:
         self.opt.step(closure)
 
+    def set_hparams(self, values: Mapping[str, Any]) -> None:
+        for group in self.opt.param_groups:
+            group.update(values)
+
     def params(self) -> list[np.ndarray]:
         return [t.detach().numpy().copy() for t in self.tensors]
 
@@ -547,7 +570,7 @@ class _TorchRunner:
         return np.asarray(value)
 
 
-def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityReport:
+def _run(spec, config, dtype_name, runner, torch_runner, feed, names, changes) -> ParityReport:
     treedef = torch_runner.treedef
     paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
     records: list[LeafError] = []
@@ -566,6 +589,9 @@ def _run(spec, config, dtype_name, runner, torch_runner, feed, names) -> ParityR
             "not on a gradient sequence"
         )
     for t in range(len(feed)):
+        if t + 1 in changes:
+            runner.set_hparams(changes[t + 1])  # validated first: torch's groups change only if it passes
+            torch_runner.set_hparams(changes[t + 1])
         if closure:
             runner.closure_step(feed.jax_value_fn(t))
             torch_runner.closure_step(feed.torch_closure(t, torch_runner.tensors, treedef))

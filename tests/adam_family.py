@@ -354,15 +354,27 @@ def fast_jit(fn: Any, *args: Any) -> Any:
 
 
 @functools.cache
-def _jax_meta_grads_all(name: str, configs: tuple[tuple, ...], lr: float, steps: int) -> list:
-    """``jax.grad`` through ``steps`` of our steps for several configurations, one compilation."""
+def _jax_meta_grads_all(
+    name: str, configs: tuple[tuple, ...], lr: float, steps: int, tensor_lr: bool = True
+) -> list:
+    """``jax.grad`` through ``steps`` of our steps for several configurations, one compilation.
+
+    ``tensor_lr``: built with the traced ``lr`` (a JAX array, an input of the
+    transformation, as ``optax.inject_hyperparams`` passes it), as torch gets a tensor
+    ``lr`` (its differentiable path then computes the step's scalars in lr's float64);
+    else built with a number and given ``lr`` by ``set_hparams``."""
     p0_np, a, b, w = _meta_problem(steps)
     a_stack = [jnp.stack([jnp.asarray(a[t][i]) for t in range(steps)]) for i in range(len(p0_np))]
     b_stack = [jnp.stack([jnp.asarray(b[t][i]) for t in range(steps)]) for i in range(len(p0_np))]
-    txs = [get_spec(name).factory(differentiable=True, **dict(c)) for c in configs]
+    factory = get_spec(name).factory
 
-    def loss(p0, lr, tx):
-        state = fo.set_hparams(tx.init(p0), lr=lr)
+    def loss(p0, lr, config):
+        if tensor_lr:
+            tx = factory(differentiable=True, lr=lr, **dict(config))
+            state = tx.init(p0)
+        else:
+            tx = factory(differentiable=True, **dict(config))
+            state = fo.set_hparams(tx.init(p0), lr=lr)
 
         def body(carry, xs):
             p, s = carry
@@ -374,7 +386,7 @@ def _jax_meta_grads_all(name: str, configs: tuple[tuple, ...], lr: float, steps:
         return sum(jnp.sum(wi * x) + jnp.sum(x**2) for wi, x in zip(w, p, strict=True))
 
     def all_grads(p0, lr):
-        return [jax.grad(loss, argnums=(0, 1))(p0, lr, tx) for tx in txs]
+        return [jax.grad(loss, argnums=(0, 1))(p0, lr, c) for c in configs]
 
     args = ([jnp.asarray(x) for x in p0_np], jnp.float64(lr))
     out = fast_jit(all_grads, *args)(*args)
@@ -398,7 +410,7 @@ def assert_meta_grads(
     config = configs[index]
     tg_p, tg_lr = torch_meta_grads(name, config, lr, default_dtype, steps, lr_grad)
     key = tuple(tuple(sorted(c.items())) for c in configs)
-    jg_p, jg_lr = _jax_meta_grads_all(name, key, lr, steps)[index]
+    jg_p, jg_lr = _jax_meta_grads_all(name, key, lr, steps, lr_grad)[index]
     err = rel_err(jg_p, tg_p)
     if lr_grad:
         err = max(err, abs(jg_lr - tg_lr) / abs(tg_lr))

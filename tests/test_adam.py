@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
 from tests import adam_family as af
-from tests.helpers import leaf_buffers, numpy_per_leaf
+from tests.helpers import leaf_buffers, numpy_per_leaf, rel_err
 
 NAME = "adam"
 GRID = get_spec(NAME).grid
@@ -122,5 +124,35 @@ META_CONFIGS = [
 
 @pytest.mark.parametrize("index", range(len(META_CONFIGS)), ids=[af.config_id(c) for c in META_CONFIGS])
 def test_meta_gradients_match_torch_differentiable(index):
-    # torch's differentiable Adam computes bias corrections in its default dtype: float64 here
-    af.assert_meta_grads(NAME, META_CONFIGS, index, lr=0.05, default_dtype=torch.float64)
+    # torch's differentiable path computes the step's scalars from its float32 step tensor
+    af.assert_meta_grads(NAME, META_CONFIGS, index, lr=0.05, default_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+@pytest.mark.parametrize("name", ["adam", "adamw", "nadam"])
+def test_differentiable_step_scalars_like_torch(name, tensor_lr):
+    # torch's differentiable=True path computes bias corrections and step sizes from its
+    # float32 step tensor (and NAdam's coefficients from the float32 mu_product): 1e-7..2e-6
+    # relative in float64 when computed in double; with a tensor lr, in lr's float64
+    spec = get_spec(name)
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for config in spec.grid[::5]:
+        p0 = rng.standard_normal((3, 4))
+        grads = [rng.standard_normal((3, 4)) for _ in range(8)]
+        config = dict(config)
+        lr = config.pop("lr")
+        t = torch.tensor(p0, requires_grad=True).clone()
+        t_lr = torch.tensor(lr, dtype=torch.float64) if tensor_lr else lr
+        cls = getattr(torch.optim, spec.torch_name)
+        opt = cls([t], lr=t_lr, differentiable=True, foreach=False, **config)
+        tx = spec.factory(lr=np.asarray(lr) if tensor_lr else lr, differentiable=True, **config)
+        params = {"w": jnp.asarray(p0)}
+        state = tx.init(params)
+        step = jax.jit(functools.partial(fo.step, tx))
+        for g in grads:
+            t.grad = torch.tensor(g)
+            opt.step()
+            params, state = step(params, {"w": jnp.asarray(g)}, state)
+        worst = max(worst, rel_err(params["w"], t.detach().numpy()))
+    assert worst <= 1e-15, worst

@@ -455,6 +455,62 @@ def test_rmsprop_applies_lr_after_the_momentum_buffer():
     assert state.momentum_buffer["w"].tolist() == [1.5]
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.5], ids=["plain", "momentum"])
+@pytest.mark.parametrize("alpha", [0.1, 0.0, 0.5], ids=lambda a: f"alpha={a}")
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_rmsprop_centered_under_cancellation_rounds_like_torch(dtype, alpha, momentum):
+    # a constant gradient: square_avg - grad_avg**2 cancels to its rounding errors, which
+    # the step then divides by; torch's addcmul, lerp and add(alpha=) round once (FMAs on
+    # the CPU), so a second rounding was 3.4e-2 off at alpha=0.1, and finite where torch
+    # gives NaN at alpha=0
+    p0 = np.array([0.3, -1.2, 2.0, 0.7, 0.05], dtype)
+    g = np.array([0.1, -0.37, 1.3, 1e-3, 3.0], dtype)
+    kwargs = {"lr": 1e-3, "alpha": alpha, "centered": True, "momentum": momentum, "weight_decay": 0.1}
+    t = torch.tensor(p0, requires_grad=True)
+    opt = torch.optim.RMSprop([t], foreach=False, **kwargs)
+    tx = fo.rmsprop(**kwargs)
+    eager = jitted = {"w": jnp.asarray(p0)}
+    se = sj = tx.init(eager)
+    step = jax.jit(functools.partial(fo.step, tx))
+    for _ in range(15):
+        t.grad = torch.tensor(g)
+        opt.step()
+        eager, se = fo.step(tx, eager, {"w": jnp.asarray(g)}, se)
+        jitted, sj = step(jitted, {"w": jnp.asarray(g)}, sj)
+    ref = t.detach().numpy()
+    for ours, state in ((eager, se), (jitted, sj)):
+        np.testing.assert_array_equal(np.isnan(ours["w"]), np.isnan(ref))
+        for name in ("square_avg", "grad_avg"):
+            np.testing.assert_array_equal(state.buffers[name]["w"], opt.state[t][name].numpy())
+        if dtype == np.float64:
+            np.testing.assert_array_equal(ours["w"], ref)
+        else:
+            # torch's float32 sqrt on the CPU is not always correctly rounded (1 ulp)
+            np.testing.assert_allclose(ours["w"], ref, rtol=1e-5)
+    if alpha == 0.0:
+        assert np.isnan(ref).any()
+
+
+def test_fma_is_rounded_once_in_eager_and_jit():
+    from fractions import Fraction
+
+    from functorch_optim._torch_ops import fma
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float64, np.float32):
+        a, b = rng.standard_normal(400).astype(dtype), rng.standard_normal(400).astype(dtype)
+        c = (-(a.astype(np.float64) * b) * (1 + 1e-7 * rng.standard_normal(400))).astype(dtype)
+        c[:50] = (-(a[:50] * b[:50])).astype(dtype)  # exact cancellation of the rounded product
+        exact = [Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)) for x, y, z in zip(a, b, c)]
+        for fn in (fma, jax.jit(fma)):
+            out = np.asarray(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
+            # correctly rounded: no other number of the dtype is closer to the exact value
+            for o, e in zip(out, exact):
+                err = abs(Fraction(float(o)) - e)
+                for n in (np.nextafter(o, dtype(np.inf)), np.nextafter(o, dtype(-np.inf))):
+                    assert err <= abs(Fraction(float(n)) - e)
+
+
 def test_rmsprop_momentum_zero_keeps_no_buffer():
     state = fo.rmsprop(lr=0.1).init({"w": jnp.zeros(3)})
     assert set(state.buffers) == {"step", "square_avg"}

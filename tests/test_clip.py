@@ -114,3 +114,17 @@ def test_transforms_in_optax_chain_match_torch_training():
         opt.step()
         assert abs(float(state[1].total_norm) - float(ref_norm)) <= 1e-6 * float(ref_norm)
     assert rel_err(params["w"], t.detach().numpy()) <= 1e-14
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float64, np.float32, jnp.bfloat16], ids=["float64", "float32", "bfloat16"]
+)
+def test_clip_transform_state_keeps_the_gradients_dtype(dtype):
+    tx = fo.clip_grad_norm_transform(1.0)
+    params = {"w": jnp.zeros(3, dtype)}
+    state = tx.init(params)
+    assert state.total_norm.dtype == dtype
+    g = {"w": jnp.asarray(np.array([1.0, 2.0, 2.0]) / 3 + 1e-9, dtype)}
+    _, state = tx.update(g, state)
+    assert state.total_norm.dtype == dtype
+    assert float(state.total_norm) == float(fo.get_total_norm(g))  # not rounded through float32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,122 @@ def test_state_pickle_round_trip(spec):
     a, _ = fo.step(tx, params, grads[3], state)
     b, _ = fo.step(tx, params, grads[3], restored)
     assert rel_err(a, b) == 0.0
+
+
+def _mask_like(params, value):
+    return jax.tree.map(lambda _: value, params)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["step", "grad_accumulate"])
+def test_grad_mask_leaf_must_be_a_boolean_scalar(spec, accumulate):
+    tx = spec.factory(**_config(spec))
+    if accumulate:
+        tx = fo.grad_accumulate(tx, every=2)
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    first = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
+    bad = {
+        "array of shape (3,)": jnp.array([True, False, True]),
+        "dtype int32": jnp.array(1, jnp.int32),
+        "dtype float": jnp.array(1.0),
+        "NoneType": None,
+    }
+    for what, leaf in bad.items():
+        mask = _mask_like(params, jnp.array(True))
+        paths, treedef = jax.tree_util.tree_flatten_with_path(mask)
+        mask = treedef.unflatten([leaf] + [m for _, m in paths[1:]])
+        for step in (fo.step, jax.jit(fo.step, static_argnums=0)):
+            with pytest.raises(
+                ValueError,
+                match=rf"grad_mask at {re.escape(first)} must be a boolean scalar.*{re.escape(what)}",
+            ):
+                step(tx, params, grads[0], state, grad_mask=mask)
+    # the accepted forms: Python bools and 0-d bool arrays, mixed
+    leaves, treedef = jax.tree.flatten(params)
+    ok = treedef.unflatten([True if i % 2 else jnp.array(True) for i in range(len(leaves))])
+    p_mask, s_mask = fo.step(tx, params, grads[0], state, grad_mask=ok)
+    p_plain, s_plain = fo.step(tx, params, grads[0], state)
+    assert rel_err(p_mask, p_plain) == 0.0
+    assert jax.tree.map(jnp.shape, s_mask) == jax.tree.map(jnp.shape, s_plain)
+
+
+def test_grad_mask_missing_key_names_the_path(spec):
+    tx = spec.factory(**_config(spec))
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    last = paths[-1][0]
+    mask = _mask_like(params, True)
+    container = functools.reduce(lambda t, k: t[k.key if hasattr(k, "key") else k.idx], last[:-1], mask)
+    del container[last[-1].key if hasattr(last[-1], "key") else last[-1].idx]
+    with pytest.raises(
+        ValueError, match=rf"grad_mask lack the parameter at {re.escape(jax.tree_util.keystr(last))}"
+    ):
+        fo.step(tx, params, grads[0], state, grad_mask=mask)
+
+
+def _with_first_leaf(tree, leaf):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([leaf, *leaves[1:]])
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["step", "grad_accumulate"])
+def test_gradient_of_another_dtype_or_not_an_array_is_rejected(spec, accumulate):
+    # torch: "assigned grad has data of a different type"; a complex gradient lost its
+    # imaginary part, an int/bool/float32 one was cast silently
+    tx = spec.factory(**_config(spec))
+    if accumulate:
+        tx = fo.grad_accumulate(tx, every=2)
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    first = jax.tree.leaves(params)[0]
+    path = re.escape(jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0]))
+    for dtype in (jnp.float32, jnp.int32, jnp.bool_, jnp.complex128):
+        bad = _with_first_leaf(grads[0], jnp.ones(first.shape, dtype))
+        message = rf"grads at {path} has dtype {jnp.dtype(dtype)}, but the parameter has dtype float64"
+        for step in (fo.step, jax.jit(fo.step, static_argnums=0)):
+            with pytest.raises(ValueError, match=message):
+                step(tx, params, bad, state)
+    scalar = {"s": jnp.asarray(1.5)}
+    tx0 = spec.factory(**_config(spec)) if spec.shapes is None else None
+    if tx0 is not None:
+        with pytest.raises(ValueError, match=r"grads at \['s'\] is a float, not an array"):
+            fo.step(tx0, scalar, {"s": 0.5}, tx0.init(scalar))
+
+
+def test_lbfgs_gradient_of_another_dtype_is_rejected():
+    tx = fo.lbfgs(lr=1.0)
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"grads at \['w'\] has dtype float32, but the parameter"):
+        value_fn = lambda p: jnp.sum(p["w"] ** 2)
+        tx.update({"w": jnp.ones(3, jnp.float32)}, tx.init(params), params, value_fn=value_fn)
+
+
+def test_a_tuple_where_params_have_a_list_is_named(spec):
+    tx = spec.factory(**_config(spec))
+    params, grads = _problem(spec)
+    state = tx.init(params)
+    if not any(isinstance(v, list) for v in params.values()):
+        # a 2-D leaf: Muon takes matrices only
+        params = {**params, "extra": [jnp.ones((2, 3))]}
+        grads = [{**g, "extra": [jnp.ones((2, 3))]} for g in grads]
+        state = tx.init(params)
+    name = next(k for k, v in params.items() if isinstance(v, list))
+    bad = {**grads[0], name: tuple(grads[0][name])}
+    with pytest.raises(ValueError, match=rf"at \['{name}'\] params have a list where grads have a tuple"):
+        fo.step(tx, params, bad, state)
+
+
+def test_lr_array_of_two_elements_is_torchs_error(spec):
+    with pytest.raises(ValueError, match=r"^Tensor lr must be 1-element$"):
+        spec.factory(lr=jnp.array([1e-3, 1e-3]))
+
+
+def test_lbfgs_lr_array_of_two_elements_is_torchs_error():
+    with pytest.raises(ValueError, match=r"^Tensor lr must be 1-element$"):
+        fo.lbfgs(lr=jnp.array([1e-3, 1e-3]))
+
+
+def test_sparse_adam_betas_of_one_element_is_named():
+    with pytest.raises(ValueError, match=r"betas must be a pair \(beta1, beta2\).*got \(0.9,\)"):
+        fo.sparse_adam(betas=(0.9,))

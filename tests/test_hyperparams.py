@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import optax
 import pytest
 
 import functorch_optim as fo
+from functorch_optim._registry import OPTIMIZERS
 
 
 def test_changing_hparams_never_recompiles():
@@ -115,3 +117,63 @@ def test_hparams_differentiable_under_grad():
 
     # p2 = p0 - lr*g - lr*(0.9*g + g) => d/dlr sum = -(1 + 1.9) * sum(g)
     np.testing.assert_allclose(jax.grad(after_two_steps)(0.1), -2.9 * 0.75, rtol=1e-14)
+
+
+_LR_SPECS = [s for s in OPTIMIZERS]
+
+
+def _torch_error(spec, **kwargs):
+    import torch
+
+    try:
+        getattr(torch.optim, spec.torch_name)([torch.zeros(3, 4, requires_grad=True)], **kwargs)
+    except Exception as e:  # the error torch raises is what is compared
+        return type(e), str(e)
+    raise AssertionError(f"torch accepted {kwargs}")
+
+
+@pytest.mark.parametrize("spec", _LR_SPECS, ids=[s.name for s in _LR_SPECS])
+def test_string_lr_raises_torchs_error_everywhere(spec):
+    # torch's "if not 0.0 <= lr" compares a float with the string: TypeError
+    error, message = _torch_error(spec, lr="0.01")
+    assert error is TypeError
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        spec.factory(lr="0.01")
+    params = {"w": jnp.ones((3, 4))}
+    state = spec.factory(lr=0.01).init(params)
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        fo.set_hparams(state, lr="0.01")
+    facade = getattr(fo.optim, spec.torch_name)
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        facade(params, lr="0.01")
+
+
+def test_string_lr_in_facade_param_groups_raises_on_step():
+    opt = fo.optim.Adam({"w": jnp.ones(3)}, lr=0.01)
+    opt.grad = {"w": jnp.ones(3)}
+    before = opt.params["w"]
+    opt.param_groups[0]["lr"] = "0.01"
+    with pytest.raises(TypeError, match=r"'<=' not supported between instances of 'float' and 'str'"):
+        opt.step()
+    np.testing.assert_array_equal(opt.params["w"], before)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("abc", TypeError, r"set_hparams: dampening must be a real number or a 0-d real array, got 'abc'"),
+        (jnp.zeros(2), ValueError, r"set_hparams: dampening must be a scalar, got an array of shape \(2,\)"),
+        (1 + 2j, TypeError, r"dampening must be a real number or a 0-d real array, got \(1\+2j\)"),
+        (None, TypeError, r"set_hparams: dampening must be a real number or a 0-d real array, got None"),
+    ],
+    ids=["str", "array", "complex", "None"],
+)
+def test_set_hparams_rejects_non_scalars_naming_the_argument(value, error, message):
+    state = fo.sgd(lr=0.1, momentum=0.9).init({"w": jnp.zeros(2)})
+    for name in ("dampening", "lr"):
+        expected = message.replace("dampening", name)
+        if name == "lr" and isinstance(value, str):
+            # torch's SGD check, "if lr < 0.0"
+            expected = re.escape("'<' not supported between instances of 'str' and 'float'")
+        with pytest.raises(error, match=expected):
+            fo.set_hparams(state, **{name: value})

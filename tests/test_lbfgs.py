@@ -275,3 +275,22 @@ def test_float32_close_to_torch():
         assert mine.dtype == np.float32
         assert _close(mine, xt.detach().numpy(), tol=1e-5)
         assert int(state.func_evals) == opt.state[xt]["func_evals"]
+
+
+def test_facade_duplicate_parameters_warn_and_shared_groups_raise_like_torch():
+    import warnings
+
+    w = jnp.ones(3)
+    t = torch.ones(3, requires_grad=True)
+    for make in (lambda: torch.optim.LBFGS([t, t]), lambda: fo.optim.LBFGS([w, w])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        assert any("duplicate parameters" in str(c.message) for c in caught)
+    message = "some parameters appear in more than one parameter group"
+    with pytest.raises(ValueError, match=message):
+        torch.optim.LBFGS([{"params": [t]}, {"params": [t]}])
+    with pytest.raises(ValueError, match=message):
+        fo.optim.LBFGS([{"params": [w]}, {"params": [w]}])
+    with pytest.raises(ValueError, match="doesn't support per-parameter options"):
+        fo.optim.LBFGS([{"params": [w]}, {"params": [jnp.ones(2)]}])

@@ -539,21 +539,42 @@ def test_eager_lambdas_inside_sequential_and_chained_like_torch():
     def warm(epoch):
         return float(epoch) / 3 if epoch < 3 else 1.0
 
-    def cases(M, o):
+    def cases(M, o, calls):
+        warm_ = _recording(warm, calls)
         return {
-            "SequentialLR": lambda: M.SequentialLR(o, [M.LambdaLR(o, warm), M.ExponentialLR(o, 0.9)], [3]),
+            "SequentialLR": lambda: M.SequentialLR(
+                o, [M.LambdaLR(o, warm_), M.ExponentialLR(o, 0.9), M.LambdaLR(o, warm_)], [3, 6]
+            ),
             "ChainedScheduler": lambda: M.ChainedScheduler(
-                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm, warm])]
+                [M.MultiplicativeLR(o, lambda e: 0.9 if e > 4 else 1.0), M.LambdaLR(o, [warm_, warm_])]
             ),
         }
 
     for name in ["SequentialLR", "ChainedScheduler"]:
         topt, opt = _pair()
+        theirs, ours_calls = [], []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref, ours = cases(TL, topt)[name](), cases(L, opt)[name]()
+            ref, ours = cases(TL, topt, theirs)[name](), cases(L, opt, ours_calls)[name]()
+            assert ours_calls == theirs, name  # construction: torch's undo and initial step
             for t in range(12):
                 assert ours.get_last_lr() == ref.get_last_lr(), (name, t)
                 topt.step()
                 ref.step()
                 ours.step()
+        assert ours_calls == theirs and len(theirs) > 12, name  # only the active scheduler's, as torch
+
+
+def test_cyclic_lr_calls_a_python_scale_fn_eagerly_like_torch():
+    def scale_fn(x):  # Python control flow on the cycle, as torch allows
+        return 1.0 if x < 2 else 0.5 / float(x)
+
+    topt, opt = _pair()
+    ref = TL.CyclicLR(topt, 0.01, 0.1, 3, scale_fn=scale_fn)
+    ours = L.CyclicLR(opt, 0.01, 0.1, 3, scale_fn=scale_fn)
+    for t in range(20):
+        assert ours.get_last_lr() == ref.get_last_lr(), t
+        assert _momenta(opt) == _momenta(topt), t
+        topt.step()
+        ref.step()
+        ours.step()

@@ -767,7 +767,10 @@ LOAD_ERRORS = {
         _sd_group_size,
         "loaded state dict contains a parameter group that doesn't match the size of optimizer's group",
     ),
-    "shape": (_sd_shape, r"momentum_buffer of parameter 1 has shape \(4,\), but the parameter's is \(3,\)"),
+    "shape": (
+        _sd_shape,
+        r"momentum_buffer of parameter 1 has shape \(4,\), but SGD keeps it with shape \(3,\)",
+    ),
     "unknown-buffer": (
         _sd_unknown_buffer,
         "has state 'exp_avg', which SGD with these settings does not keep",
@@ -798,10 +801,12 @@ def test_invalid_param_group_assignment_raises_at_step_and_changes_nothing():
     opt.param_groups[1]["lr"] = -1.0
     with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         opt.step()
-    after = snapshot(opt)
-    for x, y in zip(before[0] + before[1], after[0] + after[1], strict=True):
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
+        opt.state  # noqa: B018  (reading the state applies pending edits too: the same refusal)
+    after = leaves_np(opt.params) + leaves_np(opt._states)  # the held state, as it stands
+    for x, y in zip(before[0] + before[1], after, strict=True):
         np.testing.assert_array_equal(x, y)
-    assert float(fo.get_hparams(opt.state[0])["momentum"]) == 0.9
+    assert float(fo.get_hparams(opt._states[0])["momentum"]) == 0.9
 
 
 def test_add_param_group_like_torch():
@@ -827,6 +832,29 @@ def test_add_param_group_like_torch():
     assert opt.state_dict()["param_groups"] == t_opt.state_dict()["param_groups"]
     with pytest.raises(TypeError, match="built from one pytree"):
         SGD({"w": w0}).add_param_group({"params": [b0]})
+
+
+def test_adagrad_group_initial_accumulator_value_seeds_nothing_like_torch():
+    # torch's Adagrad builds every ``sum`` in __init__ from the constructor's
+    # initial_accumulator_value: a group's own value shows in param_groups, seeds nothing
+    w0, b0 = np.array([1.0, -2.0]), np.array([0.5])
+    groups = lambda w, b: [{"params": [w], "initial_accumulator_value": 0.7}, {"params": [b]}]
+    opt = fo.optim.Adagrad(groups(w0, b0), lr=0.1, initial_accumulator_value=0.2)
+    tw, tb = torch_tensors([w0, b0])
+    t_opt = torch.optim.Adagrad(groups(tw, tb), lr=0.1, initial_accumulator_value=0.2, foreach=False)
+    grads = [[np.array([0.3, -1.0])], [np.array([2.0])]]
+    for _ in range(2):
+        opt.grad = grads
+        opt.step()
+        for t, g in zip([tw, tb], [grads[0][0], grads[1][0]], strict=True):
+            t.grad = torch.tensor(g)
+        t_opt.step()
+    assert rel_err(jax.tree.leaves(opt.params), [t.detach().numpy() for t in (tw, tb)]) <= 1e-15
+    for i, t in enumerate((tw, tb)):
+        np.testing.assert_allclose(
+            opt.state_dict()["state"][i]["sum"], t_opt.state[t]["sum"].numpy(), rtol=1e-15
+        )
+    assert opt.param_groups[0]["initial_accumulator_value"] == 0.7
 
 
 def test_grad_and_state_setters_validate():
@@ -1070,6 +1098,147 @@ def opt_compiles():
     from functorch_optim.optim._lbfgs import _STEP as LBFGS_STEP
 
     return LBFGS_STEP._cache_size()
+
+
+# ---------------------------------------------------------------------------------------
+# step(closure): torch's zero-argument closure and the pure closure(params), every optimizer
+# ---------------------------------------------------------------------------------------
+
+
+def _closure_loss(params, x):
+    return sum(jnp.sum(jnp.sin(p + x) ** 2) for p in jax.tree.leaves(params))
+
+
+def _facade_names():
+    from functorch_optim._registry import OPTIMIZERS
+
+    return [s.torch_name for s in OPTIMIZERS if s.torch_name != "LBFGS"]
+
+
+@pytest.mark.parametrize("name", _facade_names())
+def test_step_takes_torchs_closure_and_the_pure_closure_for_every_optimizer(name):
+    """``step(closure)`` with ``() -> loss`` (torch's) or ``(params) -> loss`` equals the plain loop."""
+    import functorch_optim.optim as fo_optim
+    from functorch_optim._registry import OPTIMIZERS
+
+    cls = getattr(fo_optim, name)
+    spec = next(s for s in OPTIMIZERS if s.torch_name == name)
+    is_shape = lambda s: isinstance(s, tuple) and all(isinstance(i, int) for i in s)
+    shapes = jax.tree.leaves(spec.shapes, is_leaf=is_shape) if spec.shapes else [(3, 2), (2,)]
+    rng = np.random.default_rng(3)
+    params = {f"p{i}": jnp.asarray(rng.standard_normal(s)) for i, s in enumerate(shapes)}
+    xs = [jnp.asarray(rng.standard_normal()) for _ in range(3)]
+    plain, torch_form, pure_form = cls(params), cls(params), cls(params)
+    for x in xs:
+        plain.zero_grad()
+        expected = plain.backward(_closure_loss, x)
+        plain.step()
+
+        def closure():
+            torch_form.zero_grad()
+            return torch_form.backward(_closure_loss, x)
+
+        assert float(torch_form.step(closure)) == float(expected)
+        assert float(pure_form.step(jax.tree_util.Partial(_closure_loss, x=x))) == float(expected)
+    for other in (torch_form, pure_form):
+        for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(other.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(jax.tree.leaves(pure_form.grad)[0], jax.tree.leaves(plain.grad)[0])
+
+
+def test_step_rejects_a_closure_of_two_arguments():
+    opt = SGD({"w": jnp.ones(2)}, lr=0.1)
+    with pytest.raises(TypeError, match=r"closure must take no argument \(torch's"):
+        opt.step(lambda a, b: 0.0)
+
+
+@pytest.mark.parametrize(("cfg", "rosen"), _LB_CASES)
+def test_lbfgs_facade_takes_torchs_zero_argument_closure(cfg, rosen):
+    """torch's closure (zero_grad, backward, return loss), called as torch calls it."""
+    from functorch_optim.optim import LBFGS
+
+    ts, t_opt, t_closure = _lb_torch(cfg, rosen)
+    opt = LBFGS(_LB_X0, **cfg)
+    calls = {"torch": 0, "ours": 0}
+
+    def counted_torch():
+        calls["torch"] += 1
+        return t_closure()
+
+    def loss_fn(p):
+        return _lb_objective(jnp.concatenate([p[0].reshape(-1), p[1]]), rosen, jnp)
+
+    def closure():
+        calls["ours"] += 1
+        opt.zero_grad()
+        loss = opt.backward(loss_fn)
+        return loss
+
+    for k in range(5):
+        t_loss = t_opt.step(counted_torch)
+        loss = opt.step(closure)
+        assert calls["ours"] == calls["torch"], k
+        assert abs(float(loss) - t_loss.item()) <= 1e-12 * max(1.0, abs(t_loss.item()))
+        assert _lb_err(opt.params, ts) <= 1e-12
+        o, t = opt.state_dict()["state"][0], t_opt.state_dict()["state"][0]
+        assert (o["func_evals"], o["n_iter"]) == (t["func_evals"], t["n_iter"]), k
+    # the gradient the last evaluation left, like torch's p.grad
+    np.testing.assert_allclose(opt.grad[1], ts[1].grad.numpy(), rtol=1e-10, atol=1e-12)
+    # the same run through the pure closure(params) form (one jitted step) agrees
+    pure = LBFGS(_LB_X0, **cfg)
+    for _ in range(5):
+        pure.step(loss_fn)
+    assert max(rel_err(a, b) for a, b in zip(pure.params, opt.params, strict=True)) <= 1e-10
+    assert int(pure.state.func_evals) == int(opt.state.func_evals)
+
+
+# ---------------------------------------------------------------------------------------
+# backward(..., has_aux=True): the loss and the forward pass's other outputs
+# ---------------------------------------------------------------------------------------
+
+
+def _rnn_loss(params, x, hidden):
+    """A loss that also returns what the next batch needs (the word LM's hidden state)."""
+    new_hidden = jnp.tanh(params["w"] * x + hidden)
+    return jnp.sum(new_hidden**2) + jnp.sum(params["b"] ** 2), {"hidden": new_hidden, "x_mean": jnp.mean(x)}
+
+
+def test_backward_has_aux_returns_loss_and_aux_and_accumulates_the_same_gradient():
+    params = {"w": jnp.array([0.5, -1.0]), "b": jnp.array([0.25])}
+    plain, with_aux = SGD(params, lr=0.1), SGD(params, lr=0.1)
+    hidden = jnp.zeros(2)
+
+    def loss_only(p, x, h):
+        return _rnn_loss(p, x, h)[0]
+
+    for x in [jnp.array([1.0, 2.0]), jnp.array([-0.5, 0.3])]:
+        plain.zero_grad()
+        expected = plain.backward(loss_only, x, hidden)
+        plain.step()
+        with_aux.zero_grad()
+        w = np.array(with_aux.params["w"])  # host copy: step() donates the params
+        loss, aux = with_aux.backward(_rnn_loss, x, hidden, has_aux=True)
+        with_aux.step()
+        assert float(loss) == float(expected)
+        np.testing.assert_array_equal(aux["hidden"], jnp.tanh(w * x + hidden))
+        assert float(aux["x_mean"]) == float(jnp.mean(x))
+        hidden = aux["hidden"]
+    for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(with_aux.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # inside torch's closure too, and on LBFGS
+    from functorch_optim.optim import LBFGS
+
+    lb = LBFGS({"w": jnp.array([0.5, -1.0]), "b": jnp.array([0.25])}, max_iter=2)
+    seen = []
+
+    def closure():
+        lb.zero_grad()
+        loss, aux = lb.backward(_rnn_loss, jnp.array([1.0, 2.0]), jnp.zeros(2), has_aux=True)
+        seen.append(aux["hidden"])
+        return loss
+
+    lb.step(closure)
+    assert len(seen) == int(lb.state.func_evals) and seen[0].shape == (2,)
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,8 +8,12 @@ throughout (``foreach=False``, float64).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
+import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+import functorch_optim as fo
 import functorch_optim.optim as fo_optim
-from functorch_optim._registry import OPTIMIZERS
+from functorch_optim._registry import MUON_SHAPES, OPTIMIZERS
 from functorch_optim.interop.torch import (
     flatten_names,
     grads_from_module,
@@ -36,13 +41,17 @@ SPECS = [pytest.param(s, id=s.torch_name) for s in OPTIMIZERS]
 # ---------------------------------------------------------------------------------------
 
 _RNG = np.random.default_rng(7)
-_A = (lambda m: m @ m.T + 0.5 * np.eye(11))(_RNG.standard_normal((11, 11)))
-_B = _RNG.standard_normal(11)
+_A = (lambda m: m @ m.T + 0.5 * np.eye(64))(_RNG.standard_normal((64, 64)))
+_B = _RNG.standard_normal(64)
+#: 2-D shapes, which every optimizer takes (Muon only these)
+SHAPES_2D = list(MUON_SHAPES.values())
+SHAPES_2D_PARAMS = [np.ones(s) for s in SHAPES_2D]
 
 
 def _objective(flat, xp):
-    """LBFGS's closure: a quadratic of the flat parameter vector (11 = 3*2 + 4 + 1)."""
-    return 0.5 * flat @ (xp.asarray(_A) @ flat) - xp.asarray(_B) @ flat
+    """LBFGS's closure: a convex quadratic of the flat parameter vector."""
+    n = flat.shape[0]
+    return 0.5 * flat @ (xp.asarray(_A[:n, :n]) @ flat) - xp.asarray(_B[:n]) @ flat
 
 
 def _jax_closure(params):
@@ -54,17 +63,19 @@ def _shapes(spec):
 
 
 def _config(spec):
-    cfg = dict(spec.grid[-1])  # the grid's last entry: the most flags switched on
+    # the grid's last entry (the most flags switched on); for LBFGS a fixed-step one (its
+    # strong-Wolfe step takes seconds to compile, once per facade)
+    cfg = dict(spec.grid[1] if spec.closure else spec.grid[-1])
     if "foreach" in inspect.signature(getattr(torch.optim, spec.torch_name)).parameters:
         cfg["foreach"] = False
     return cfg
 
 
-def _problem(spec, seed=0, steps=8):
+def _problem(spec, seed=0, steps=8, shapes=None):
     """Start params and a gradient stream; the last parameter never gets a gradient, the
     second none on the first two steps (no state entry until then, as in torch)."""
     rng = np.random.default_rng(seed)
-    shapes = _shapes(spec)
+    shapes = shapes or _shapes(spec)
     params = [rng.standard_normal(s) for s in shapes]
     stream = []
     for t in range(steps):
@@ -128,7 +139,10 @@ def _assert_same(a, b):
     """Two facades hold the same parameters and torch-layout state, bit for bit."""
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    sa, sb = a.state_dict(), b.state_dict()
+    _assert_same_dict(a.state_dict(), b.state_dict())
+
+
+def _assert_same_dict(sa, sb):
     assert sa["param_groups"] == sb["param_groups"]
     assert sorted(sa["state"]) == sorted(sb["state"])
     for k, entry in sb["state"].items():
@@ -168,6 +182,26 @@ def test_state_dict_is_torchs_own_and_torch_load_reads_it_safely(spec, tmp_path)
     _step_ours(spec, resumed, stream[4:])
     assert rel_err(_host(ts), opt.params) <= 1e-10
     _assert_same(resumed, opt)
+    # and back: torch's dict after its steps is ours after ours, entry by entry (LBFGS has
+    # converged: its near-zero vectors and iteration counts carry no precision left)
+    back = _ours(spec, _host(ts), lr=0.5)
+    back.load_state_dict(t_opt.state_dict())
+    ours, theirs = opt.state_dict(), back.state_dict()
+    assert theirs["param_groups"] == ours["param_groups"]
+    assert sorted(theirs["state"]) == sorted(ours["state"])
+    for k, entry in ours["state"].items():
+        assert sorted(theirs["state"][k]) == sorted(entry)
+        for name, value in entry.items():
+            mine = theirs["state"][k][name]
+            if spec.closure:
+                continue
+            if not isinstance(value, torch.Tensor):
+                assert mine == value, (k, name)
+            else:
+                # torch's load casts its float32 scalars (mu_product, eta) to the parameter's
+                # dtype and continues in float64: they differ from ours in float32 rounding
+                tol = 1e-10 if value.dtype == torch.float64 else 1e-6
+                assert mine.dtype == value.dtype and rel_err(mine, value) <= tol, (k, name)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -397,3 +431,295 @@ def test_param_names_follow_torchs_rules():
     named = fo_optim.SGD({"w": w, "b": b}, lr=0.1)
     named.load_state_dict(fo_optim.SGD([w, b], lr=0.2).state_dict())
     assert named.param_groups[0]["param_names"] == ["b", "w"] and named.param_groups[0]["lr"] == 0.2
+
+
+# ---------------------------------------------------------------------------------------
+# strict loading: every refusal names the parameter and the key, and changes nothing
+# ---------------------------------------------------------------------------------------
+
+
+def _buffer(sd, dtype=None):
+    """The first array entry of parameter 0 other than the counters (of ``dtype`` if given)."""
+    names = [
+        n
+        for n, v in sd["state"][0].items()
+        if isinstance(v, torch.Tensor) and v.ndim > 0 and (dtype is None or v.dtype == dtype)
+    ]
+    return names[0]
+
+
+def _counter(spec):
+    return "n_iter" if spec.closure else "step"
+
+
+def _foreign_key(spec):
+    """A hyperparameter some other registered optimizer takes and this one does not."""
+    own = set(inspect.signature(getattr(fo_optim, spec.torch_name)).parameters)
+    others = [k for o in OPTIMIZERS for k in inspect.signature(o.factory).parameters]
+    return next(k for k in others if k not in own)
+
+
+def _edit_missing_counter(sd, spec):
+    del sd["state"][0][_counter(spec)]
+    return rf"parameter 0 has no '{_counter(spec)}'"
+
+
+def _edit_negative_counter(sd, spec):
+    sd["state"][0][_counter(spec)] = torch.tensor(-5.0) if spec.torch_name != "SparseAdam" else -5
+    return rf"'{_counter(spec)}' of parameter 0 is .*; it must be a whole number >= 0"
+
+
+def _edit_fractional_counter(sd, spec):
+    sd["state"][0][_counter(spec)] = torch.tensor(2.5)
+    return rf"'{_counter(spec)}' of parameter 0 is .*; it must be a whole number >= 0"
+
+
+def _edit_missing_buffer(sd, spec):
+    name = _buffer(sd)
+    del sd["state"][0][name]
+    return rf"parameter 0 has no '{name}'"
+
+
+def _edit_extra_buffer(sd, spec):
+    sd["state"][0]["bogus"] = torch.zeros(1, dtype=torch.float64)
+    return rf"parameter 0 has state 'bogus', which {spec.torch_name} (with these settings )?does not keep"
+
+
+def _edit_shape(sd, spec):
+    name = _buffer(sd)
+    sd["state"][0][name] = torch.zeros((*sd["state"][0][name].shape, 2), dtype=torch.float64)
+    return rf"{name} of parameter 0 has (shape|\d+ entries)"
+
+
+def _edit_dtype(sd, spec):
+    name = _buffer(sd, torch.float64)
+    sd["state"][0][name] = sd["state"][0][name].float()
+    return rf"{name} of parameter 0 has dtype float32, but {spec.torch_name} keeps it in float64"
+
+
+def _edit_repeated_id(sd, spec):
+    sd["param_groups"][0]["params"][1] = sd["param_groups"][0]["params"][0]
+    return "lists parameter id 0 more than once"
+
+
+def _edit_unknown_id(sd, spec):
+    sd["state"][99] = sd["state"][0]
+    return "state for parameter id 99"
+
+
+def _edit_more_groups(sd, spec):
+    sd["param_groups"].append({**sd["param_groups"][0], "params": [97, 98, 99]})
+    return "^loaded state dict has a different number of parameter groups$"
+
+
+def _edit_group_size(sd, spec):
+    sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:-1]
+    sd["param_groups"][0].pop("param_names", None)
+    return "^loaded state dict contains a parameter group that doesn't match the size of optimizer's group$"
+
+
+def _edit_missing_hyperparameter(sd, spec):
+    del sd["param_groups"][0]["lr"]
+    return "parameter group 0 lacks 'lr'"
+
+
+def _edit_foreign_hyperparameter(sd, spec):
+    key = _foreign_key(spec)
+    sd["param_groups"][0][key] = 0.5
+    return rf"parameter group 0 has '{key}', a hyperparameter of .* that {spec.torch_name} does not take"
+
+
+REFUSALS = {
+    "missing-step": _edit_missing_counter,
+    "negative-step": _edit_negative_counter,
+    "fractional-step": _edit_fractional_counter,
+    "missing-buffer": _edit_missing_buffer,
+    "extra-buffer": _edit_extra_buffer,
+    "wrong-shape": _edit_shape,
+    "wrong-dtype": _edit_dtype,
+    "repeated-id": _edit_repeated_id,
+    "unknown-id": _edit_unknown_id,
+    "more-groups": _edit_more_groups,
+    "group-size": _edit_group_size,
+    "missing-hyperparameter": _edit_missing_hyperparameter,
+    "foreign-hyperparameter": _edit_foreign_hyperparameter,
+}
+#: torch raises these itself, with the same text
+TORCH_RAISES = ("more-groups", "group-size")
+#: SGD and Muon keep no step in torch's layout; LBFGS's global state is its own (n_iter)
+NO_STEP = {"SGD", "Muon"}
+#: LBFGS: one global entry, so no per-parameter id cases; its "missing-hyperparameter" is
+#: torch's (a group lacking lr is filled from the current one, as before)
+LBFGS_SKIP = ("repeated-id", "missing-hyperparameter")
+
+
+def refusal_cases():
+    for spec in OPTIMIZERS:
+        for case in REFUSALS:
+            if case.endswith("-step") and spec.torch_name in NO_STEP:
+                continue
+            if spec.closure and case in LBFGS_SKIP:
+                continue
+            yield pytest.param(spec, case, id=f"{spec.torch_name}-{case}")
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    """Per optimizer, its facade after 4 steps (the grid's last configuration)."""
+    out = {}
+    for spec in OPTIMIZERS:
+        params, stream = _problem(spec)
+        opt = _ours(spec, params)
+        _step_ours(spec, opt, stream[:4])
+        out[spec.torch_name] = opt
+    return out
+
+
+@pytest.mark.parametrize(("spec", "case"), list(refusal_cases()))
+def test_load_refuses_bad_dicts_before_changing_anything(spec, case, stepped):
+    sd = copy.deepcopy(stepped[spec.torch_name].state_dict())
+    message = REFUSALS[case](sd, spec)
+    params, _ = _problem(spec, seed=1)
+    opt = _ours(spec, params, lr=0.25)
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    _assert_same_dict(opt.state_dict(), before)
+    assert opt.param_groups[0]["lr"] == 0.25
+    if case in TORCH_RAISES:
+        _, t_opt = _theirs(spec, params)
+        with pytest.raises(ValueError, match=message):
+            t_opt.load_state_dict(sd)
+
+
+#: Dicts of another class that cannot be told from this class's own, and load, (source,
+#: target, stepped): AdamW's dict into Adam is Adam with decoupled_weight_decay=True,
+#: which is AdamW in torch 2.13, and so is Adam's with it into AdamW (the registry's
+#: stepped configurations have it); RAdam's (and a never-stepped Adamax's) hold only keys
+#: and buffers Adam's have, the flags Adam's lack (amsgrad, fused) missing, as in a dict
+#: of an older torch.
+INDISTINGUISHABLE = {
+    ("AdamW", "Adam", True),
+    ("AdamW", "Adam", False),
+    ("Adam", "AdamW", True),
+    ("RAdam", "Adam", True),
+    ("RAdam", "Adam", False),
+    ("RAdam", "AdamW", True),
+    ("Adamax", "Adam", False),
+    ("Adamax", "AdamW", False),
+    ("Adamax", "RAdam", False),
+}
+
+
+def test_another_optimizers_dict_is_refused(stepped):
+    """Every registered class's dict, stepped and never stepped, into every other class
+    (built on the source's parameters; Muon takes only 2-D ones, so only Muon's own)."""
+    loaded = set()
+    for source in OPTIMIZERS:
+        params = stepped[source.torch_name].params
+        dicts = {
+            True: stepped[source.torch_name].state_dict(),
+            False: getattr(fo_optim, source.torch_name)(params).state_dict(),  # its groups only
+        }
+        for target in OPTIMIZERS:
+            if target is source or (target.shapes and not source.shapes):
+                continue
+            for is_stepped, sd in dicts.items():
+                opt = getattr(fo_optim, target.torch_name)(params)
+                try:
+                    opt.load_state_dict(sd)
+                except ValueError as e:
+                    assert str(e).startswith("loaded state dict"), (source.name, target.name, str(e))
+                    continue
+                loaded.add((source.torch_name, target.torch_name, is_stepped))
+    assert loaded == INDISTINGUISHABLE
+    # never-stepped dicts of every class into Muon (their groups only)
+    for source in OPTIMIZERS:
+        if source.shapes is None:
+            sd = getattr(fo_optim, source.torch_name)(SHAPES_2D_PARAMS).state_dict()
+            with pytest.raises(ValueError, match="loaded state dict: parameter group 0"):
+                fo_optim.Muon(SHAPES_2D_PARAMS).load_state_dict(sd)
+    params = stepped["Adam"].params
+    dicts = {name: getattr(fo_optim, name)(params).state_dict() for name in ("SGD", "Adam")}
+    # the cases of the report: Adam's dict into NAdam, a never-stepped SGD's into Adam
+    with pytest.raises(ValueError, match="parameter group 0 has 'amsgrad', a hyperparameter of Adam, AdamW"):
+        fo_optim.NAdam(params).load_state_dict(stepped["Adam"].state_dict())
+    with pytest.raises(ValueError, match="parameter group 0 has 'momentum', a hyperparameter of SGD"):
+        fo_optim.Adam(params).load_state_dict(dicts["SGD"])
+
+
+def test_sgd_momentum_buffer_none_loads_as_not_stepped_like_torch():
+    # torch before 2.1 wrote momentum_buffer=None for momentum=0; loaded into momentum>0,
+    # the first step seeds the buffer with the gradient
+    w = np.array([1.0, -2.0])
+    sd = {
+        "state": {0: {"momentum_buffer": None}},
+        "param_groups": [{**fo_optim.SGD([w]).state_dict()["param_groups"][0]}],
+    }
+    sd["param_groups"][0].update(lr=0.1, momentum=0.9)
+    opt = fo_optim.SGD([w], lr=0.5, momentum=0.5)
+    opt.load_state_dict(sd)
+    ts, t_opt = _theirs(OPTIMIZERS[0], [w], lr=0.5, momentum=0.5)
+    t_opt.load_state_dict(sd)
+    for g in (np.array([0.5, 0.25]), np.array([-1.0, 2.0])):
+        opt.grad = [g]
+        opt.step()
+        ts[0].grad = torch.tensor(g)
+        t_opt.step()
+    assert rel_err(opt.params, _host(ts)) <= 1e-15
+    with pytest.raises(ValueError, match="parameter 0 has no 'momentum_buffer'"):
+        opt.load_state_dict({**sd, "state": {0: {}}})
+
+
+# ---------------------------------------------------------------------------------------
+# one source of truth: pending param_groups edits are in every checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+def test_state_sees_pending_param_group_edits():
+    opt = fo_optim.SGD({"w": jnp.ones(2)}, lr=0.1, momentum=0.9)
+    opt.param_groups[0]["lr"] = 0.025  # as a scheduler's step() writes it
+    assert float(fo.get_hparams(opt.state)["lr"]) == 0.025
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.025
+    assert float(fo.get_hparams(pickle.loads(pickle.dumps(opt)).state)["lr"]) == 0.025
+    old = opt.state
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
+        opt.state  # noqa: B018
+    # assigning restores the state whole: its lr replaces a pending one
+    opt.state = old
+    assert opt.param_groups[0]["lr"] == 0.025
+    lbfgs = fo_optim.LBFGS({"x": jnp.zeros(2)})
+    lbfgs.param_groups[0]["lr"] = 0.5
+    assert float(fo.get_hparams(lbfgs.state)["lr"]) == 0.5
+
+
+def test_checkpoint_after_scheduler_step_resumes_bit_identically_in_a_fresh_process(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    from tests import _resume_checks as rc
+
+    opt, scheduler = rc.build()
+    rc.train(opt, scheduler, range(rc.SPLIT))
+    pending = opt.param_groups[0]["lr"]
+    assert pending != float(fo.get_hparams(opt._states[0])["lr"])  # scheduler.step() is pending
+    rc.checkpoint(opt, scheduler, str(tmp_path))
+    rc.train(opt, scheduler, range(rc.SPLIT, rc.STEPS))
+    expected = rc.summary(opt, scheduler)
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._resume_checks", str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "RESUMED" in proc.stdout, proc.stderr[-3000:]
+    for path in rc.PATHS:
+        got = np.load(os.path.join(tmp_path, f"{path}.npz"))
+        assert sorted(got.files) == sorted(expected)
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype, (path, key)
+            np.testing.assert_array_equal(got[key], value, err_msg=f"{path}: {key}")

@@ -25,7 +25,7 @@ def quick_sgd():
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["parity", "--quick", "--json", "--only", "sgd", "--no-progress"])
+        code = main(["parity", "--no-cache", "--quick", "--json", "--only", "sgd", "--no-progress"])
     return code, json.loads(out.getvalue())
 
 
@@ -87,7 +87,7 @@ def test_mismatch_and_error_rows_exit_nonzero(monkeypatch, capsys):
     )
     monkeypatch.setattr(parity, "OPTIMIZERS", specs)
     monkeypatch.setattr(parity, "_scheduler_specs", list)  # optimizer rows only
-    code = main(["parity", "--steps", "3", "--no-progress", "--no-optax", "--json"])
+    code = main(["parity", "--no-cache", "--steps", "3", "--no-progress", "--no-optax", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["ok"] is False
     rows = report["rows"]
@@ -143,7 +143,7 @@ def test_text_report_tables():
     ]
     versions = {"functorch_optim": "0.1.0", "torch": "2.13.0", "jax": "0.10.2", "optax": "0.2.8"}
     result = parity.ParityResult(rows, 5, True, dict(parity.DEFAULT_RTOL), versions, 1.25)
-    text = parity.format_report(result)
+    text = parity.format_report(result, wide=True)
     lines = text.splitlines()
     assert lines[0].startswith("functorch_optim 0.1.0 vs torch 2.13.0 (foreach=False)")
     headers = [line.split("  ") for line in lines if line.startswith("optimizer  ")]
@@ -164,6 +164,59 @@ def test_text_report_tables():
         "1/3 rows match torch (1 mismatch, 1 error); optax's closest construction matches torch in 1/2; 1.2 s"
     )
     assert result.ok is False
+    _check_summary_report(result)
+
+
+def _check_summary_report(result):
+    """The default report of ``test_text_report_tables``' rows: one line per optimizer."""
+    text = parity.format_report(result)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    (sgd,) = [line.split() for line in lines if line.startswith("SGD ")]
+    # 3 rows, 1 match, largest errors; optax within tolerance in 1 of its 2 rows
+    assert sgd == ["SGD", "3", "1", "2.00e-03", "3.00e-03", "1/2", "2.50e-01"]
+    worst = lines[lines.index(next(line for line in lines if line.startswith("SGD "))) + 1]
+    assert worst == "  worst: lr=-1.0"  # the row that did not run is the worst
+    assert (
+        "MISMATCH SGD(lr=0.1, momentum=0.9, dampening=0.3): max rel err f64 2.00e-03, f32 3.00e-03" in lines
+    )
+    assert "ERROR SGD(lr=-1.0): ValueError: Invalid learning rate: -1.0" in lines
+    assert lines[-1].endswith("1.2 s")
+
+
+def test_summary_report_fits_100_columns_and_names_the_worst_config():
+    long = {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.05, "maximize": True}
+    rows = [
+        parity.ParityRow(
+            "optimizer", "SGD", {"lr": 0.1}, 5, 1e-16, 1e-7, optax="optax.sgd(0.1)", optax_rel_f64=0.0
+        ),
+        # larger in float32 relative to its tolerance: the worst although f64 is smaller
+        parity.ParityRow("optimizer", "SGD", long, 5, 1e-17, 9e-6, optax="optax.sgd(...)", optax_rel_f64=0.5),
+        parity.ParityRow("optimizer", "LBFGS", {"max_iter": 1}, 5, 2e-16, 1e-8),
+        parity.ParityRow("scheduler", "StepLR", {"step_size": 3}, 5, 0.0),
+        parity.ParityRow("scheduler", "StepLR", {"step_size": 3, "gamma": 0.5}, 5, 1e-16),
+    ]
+    versions = {"functorch_optim": "0.1.0", "torch": "2.13.0", "jax": "0.10.2", "optax": "0.2.8"}
+    result = parity.ParityResult(rows, 5, False, dict(parity.DEFAULT_RTOL), versions, 3.0)
+    lines = parity.format_report(result).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    table = {
+        line.split()[0]: line.split()
+        for line in lines
+        if line.split() and line.split()[0] in ("SGD", "LBFGS", "StepLR")
+    }
+    assert table["SGD"] == ["SGD", "2", "2", "1.00e-16", "9.00e-06", "1/2", "5.00e-01"]
+    assert table["LBFGS"] == ["LBFGS", "1", "1", "2.00e-16", "1.00e-08", "-", "-"]
+    assert table["StepLR"] == ["StepLR", "2", "2", "1.00e-16"]
+    worst = [line.strip() for line in lines if line.strip().startswith("worst:")]
+    assert worst == [
+        "worst: lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05, maximize=True",
+        "worst: max_iter=1",
+        "worst: step_size=3, gamma=0.5",
+    ]
+    assert "rows that do not match torch:" not in lines
+    wide = parity.format_report(result, wide=True).splitlines()
+    assert sum(line.startswith("SGD ") for line in wide) == 4  # both rows, in both wide tables
 
 
 def test_compiled_steps_are_shared_without_changing_numbers():
@@ -224,7 +277,7 @@ def test_parser_has_the_parity_subcommand():
 
 
 def test_unknown_only_name_exits_2(capsys):
-    assert main(["parity", "--only", "nope", "--no-progress"]) == 2
+    assert main(["parity", "--no-cache", "--only", "nope", "--no-progress"]) == 2
     assert "nothing by these names; known: sgd" in capsys.readouterr().err
 
 
@@ -263,7 +316,7 @@ def test_scheduler_rows(monkeypatch):
     # gamma * 1.01: lr_t is 0.1 * 0.9**t * 1.01**t against torch's 0.1 * 0.9**t; scale 0.1
     expected = max(0.9**t * (1.01**t - 1) for t in range(13))
     assert result.rows[2].rel_f64 == pytest.approx(expected, rel=1e-9)
-    text = parity.format_report(result)
+    text = parity.format_report(result, wide=True)
     assert "learning-rate schedulers vs torch.optim.lr_scheduler" in text
     assert [line.split()[:2] for line in text.splitlines() if line.startswith("StepLR")] == [
         ["StepLR", "step_size=3,"]
@@ -290,3 +343,30 @@ def test_schedulers_are_picked_up_when_the_module_exists():
     else:
         assert {s.torch_name for s in specs} <= set(parity.SCHEDULER_GRID) | {s.torch_name for s in specs}
         assert specs
+
+
+def test_cli_compilation_cache_keeps_the_numbers(tmp_path, quick_sgd):
+    # the CLI keeps XLA's compiled steps in $FUNCTORCH_OPTIM_CACHE/xla; the rows are the same
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FUNCTORCH_OPTIM_CACHE": str(tmp_path)}
+    argv = [sys.executable, "-m", "functorch_optim", "parity", "--quick", "--json", "--only", "sgd"]
+    run = subprocess.run([*argv, "--no-progress"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    cached = json.loads(run.stdout)
+    assert any((tmp_path / "xla").iterdir())
+    keys = ("config", "rel_f64", "rel_f32", "optax_rel_f64", "verdict")
+    assert [[r[k] for k in keys] for r in cached["rows"]] == [
+        [r[k] for k in keys] for r in quick_sgd[1]["rows"]
+    ]
+
+
+def test_torch_threads_are_restored():
+    import torch
+
+    before = torch.get_num_threads()
+    with parity._torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

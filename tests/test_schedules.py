@@ -23,6 +23,7 @@ from functorch_optim import schedules as S
 from tests.helpers import _get_linear_schedule_with_warmup_lr_lambda
 
 N = 320
+SPE = 7  # optimizer steps per epoch, for the per-epoch schedules
 LRS = [0.1, 0.03]  # two param groups with different base lrs
 TOL = 1e-12
 
@@ -205,8 +206,10 @@ def our_sequences():
     for name, (_, make_ours) in CASES.items():
         sched = make_ours(LRS)
         scheds[name, "lr"] = sched
+        epochs = scheds[name, "per_epoch"] = S.per_epoch(make_ours(LRS), SPE)
         if sched._spec.cycles_momentum:
             scheds[name, "momentum"] = sched.momentum
+            scheds[name, "per_epoch_momentum"] = epochs.momentum
 
     def run(sched):
         def body(carry, _):
@@ -232,6 +235,64 @@ def test_lr_sequence_matches_torch_per_group(name, our_sequences):
     if (name, "momentum") in our_sequences:
         assert np.max(np.abs(our_sequences[name, "momentum"] - ref_mom)) <= TOL
         assert np.any(ref_mom[:, 0] != ref_mom[0, 0])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_per_epoch_schedule_steps_torchs_scheduler_once_per_epoch(name, our_sequences):
+    """``per_epoch(s, k)`` after ``t`` optimizer steps is torch's lr after ``t // k`` scheduler steps."""
+    n_epochs = N // SPE
+    ref_lr, ref_mom = torch_sequence(CASES[name][0], n=n_epochs, momentum=0.9)
+    got = our_sequences[name, "per_epoch"]
+    epoch = np.arange(N + 1) // SPE
+    # the per-step schedule's values, held for an epoch (to XLA's fusion: the two sit in one program)
+    assert np.max(np.abs(got - our_sequences[name, "lr"][epoch])) <= 1e-16
+    assert np.max(np.abs(got - ref_lr[epoch])) <= TOL
+    if (name, "momentum") in our_sequences:
+        assert np.max(np.abs(our_sequences[name, "per_epoch_momentum"] - ref_mom[epoch])) <= TOL
+
+
+def test_per_epoch_trains_like_the_facade_and_torch_stepping_per_epoch():
+    """mnist's loop: Adadelta, StepLR stepped after each epoch; functional, facade and torch agree."""
+    from functorch_optim.optim import Adadelta
+    from functorch_optim.optim import lr_scheduler as FL
+
+    rng = np.random.default_rng(3)
+    p0, grads = rng.standard_normal(4), rng.standard_normal((4, 5, 4))  # 4 epochs of 5 steps
+    tx = fo.adadelta(lr=S.per_epoch(S.step_lr(1.0, step_size=1, gamma=0.7), steps_per_epoch=5))
+    step = fo.jit_step(tx)
+    params = {"w": jnp.asarray(p0)}
+    state = tx.init(params)
+    opt = Adadelta({"w": jnp.asarray(p0)}, lr=1.0)
+    sched = FL.StepLR(opt, step_size=1, gamma=0.7)
+    t = torch.tensor(p0, requires_grad=True)
+    topt = torch.optim.Adadelta([t], lr=1.0, foreach=False)
+    tsched = L.StepLR(topt, step_size=1, gamma=0.7)
+    for epoch in grads:
+        for g in epoch:
+            assert (
+                float(fo.get_hparams(state)["lr"]) == opt.param_groups[0]["lr"] == topt.param_groups[0]["lr"]
+            )
+            params, state = step(params, {"w": jnp.asarray(g)}, state)
+            opt.grad = {"w": jnp.asarray(g)}
+            opt.step()
+            t.grad = torch.tensor(g)
+            topt.step()
+        sched.step()
+        tsched.step()
+    assert float(fo.get_hparams(state)["lr"]) == sched.get_last_lr()[0] == tsched.get_last_lr()[0]
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(opt.params["w"]))
+    np.testing.assert_allclose(np.asarray(params["w"]), t.detach().numpy(), rtol=1e-14)
+
+
+def test_per_epoch_validation():
+    with pytest.raises(ValueError, match="steps_per_epoch must be an integer >= 1, got 0"):
+        S.per_epoch(S.step_lr(0.1, 2), 0)
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau .* once per epoch"):
+        S.per_epoch(S.reduce_lr_on_plateau(0.1), 10)
+    with pytest.raises(TypeError, match=r"per_epoch takes a schedule from functorch_optim\.schedules"):
+        S.per_epoch(lambda count: 0.1, 10)
+    with pytest.raises(ValueError, match="wrap the whole SequentialLR in per_epoch"):
+        S.sequential_lr([S.per_epoch(S.step_lr(0.1, 2), 3), S.step_lr(0.1, 2)], [4])
 
 
 def test_eager_construction_and_jitted_steps_match_the_batched_run(our_sequences):
@@ -678,3 +739,16 @@ def test_traced_lambda_counter_gives_float64_arithmetic():
     assert np.max(np.abs(got - ref)) <= 2e-16 * np.max(ref)  # an int32 counter: 4.8e-9
     ref = torch_sequence(lambda o: L.MultiplicativeLR(o, lambda e: 1 - e / 70), n=16)[0]
     assert np.array_equal(S.multiplicative_lr(LRS, lambda e: 1 - e / 70).values(16), ref)
+
+
+def test_cyclic_scale_fn_gets_a_float64_counter():
+    """A custom ``scale_fn`` sees the cycle (or iteration) as JAX's default int: ``x / 3`` is float64."""
+
+    def scale_fn(x):
+        return 0.5 ** (x / 3)
+
+    for mode in ["cycle", "iterations"]:
+        kw = {"scale_fn": scale_fn, "scale_mode": mode}
+        ref = torch_sequence(lambda o, kw=kw: L.CyclicLR(o, 0.01, 0.1, 4, **kw), n=16)[0]
+        got = S.cyclic_lr(0.01, 0.1, 4, **kw, cycle_momentum=False, lr=LRS)
+        assert np.max(np.abs(got.values(16) - ref)) <= 1e-17, mode  # int32: 1e-9

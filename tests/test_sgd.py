@@ -196,11 +196,16 @@ def test_nesterov_checked_by_set_hparams():
         fo.set_hparams(state, dampening=0.5)
 
 
-def test_empty_params_is_torch_error():
+def test_empty_params_torch_error_in_facade_empty_tree_in_functional_api():
+    # torch raises in its constructor (the facade's); optax's transformations, which the
+    # functional API follows, accept a tree without parameters (an empty group or label)
     with pytest.raises(ValueError, match=r"^optimizer got an empty parameter list$"):
-        fo.sgd().init({})
+        fo.optim.SGD({})
     with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
         torch.optim.SGD([])
+    tx = fo.sgd(lr=0.1, momentum=0.9)
+    params, state = fo.step(tx, {}, {}, tx.init({}))
+    assert params == {} and int(state.count) == 1
 
 
 def test_non_float_parameter_named_by_path():
@@ -225,3 +230,39 @@ def test_grad_structure_mismatch_names_first_path(grads, message):
         fo.step(tx, params, grads, state)
     with pytest.raises(ValueError, match=message):
         jax.jit(functools.partial(fo.step, tx))(params, grads, state)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["jit", "fused"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_buffer_created_on_first_step_with_momentum_like_torch(fused, dtype):
+    # torch seeds the buffer with the raw gradient when it creates it (the first step
+    # with momentum != 0), not on a parameter's first step: momentum 0 on step 1, then
+    # 0.9, and a parameter ("b") whose first gradient comes while momentum is 0
+    rng = np.random.default_rng(3)
+    params = {"a": rng.standard_normal(4).astype(dtype), "b": rng.standard_normal(3).astype(dtype)}
+    grads = grad_stream(params, 6, seed=4, dtype=dtype)
+    grads[3]["b"] = None
+    momenta = [0.0, 0.9, 0.0, 0.9, 0.9, 0.0]
+    tensors = [torch.tensor(params[k]) for k in ("a", "b")]
+    opt = torch.optim.SGD(tensors, lr=0.1, momentum=0.9, dampening=0.5, foreach=False)
+    tx = fo.sgd(lr=0.1, momentum=0.9, dampening=0.5, fused=fused)
+    ours = to_jax(params)
+    state = tx.init(ours)
+    step = jax.jit(functools.partial(fo.step, tx))
+    tol = 1e-6 if dtype == np.float32 else 1e-14
+    for t, (m, g) in enumerate(zip(momenta, grads)):
+        if t == 1:
+            # "b" gets its first gradient only now, "a" had one while momentum was 0
+            g = {"a": g["a"], "b": None}
+        opt.param_groups[0]["momentum"] = m
+        for tensor, k in zip(tensors, ("a", "b")):
+            tensor.grad = None if g[k] is None else torch.tensor(g[k])
+        opt.step()
+        state = fo.set_hparams(state, momentum=m)
+        ours, state = step(ours, to_jax(g), state)
+        for tensor, k in zip(tensors, ("a", "b")):
+            np.testing.assert_allclose(ours[k], tensor.detach().numpy(), rtol=tol)
+            ref = opt.state[tensor].get("momentum_buffer")
+            if ref is not None:
+                np.testing.assert_allclose(state.momentum_buffer[k], ref.numpy(), rtol=tol)
+            assert (int(state.step[k]) > 0) == (ref is not None)

@@ -207,3 +207,21 @@ def test_closure_driven_spec_runs_on_the_loss():
     assert len(report.records) == 4 * 2
     with pytest.raises(ValueError, match="closure-driven: compare it on a loss function"):
         compare_with_torch(spec, params, [params], lr=0.1)
+
+
+def test_hparams_at_changes_both_sides_mid_run():
+    params = _params()
+    grads = grad_stream(params, 5, seed=3, none_every=3)
+    changes = {3: {"lr": 50.0, "betas": (0.5, 0.9)}, 5: {"weight_decay": 0.0}}
+    report = assert_matches_torch("adam", params, grads, lr=0.1, weight_decay=0.1, hparams_at=changes)
+    plain = compare_with_torch("adam", params, grads, lr=0.1, weight_decay=0.1)
+    assert report.max_rel <= 1e-15 and plain.max_rel <= 1e-15
+
+    def last_param_scale(r):  # the largest |torch param| seen: lr=50 from step 3 moves torch's far
+        return max(x.scale for x in r.records if x.kind == "param")
+
+    assert last_param_scale(report) > 10 * last_param_scale(plain)
+    with pytest.raises(ValueError, match="hparams_at step 6 is outside the run"):
+        compare_with_torch("adam", params, grads, hparams_at={6: {"lr": 0.1}})
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        compare_with_torch("adam", params, grads, hparams_at={2: {"lr": -1.0}})

@@ -10,8 +10,10 @@ Port a PyTorch loop line by line::
 
 Every functional optimizer of the package has its class here under torch's class name,
 made by ``make_optimizer_class`` (one line each); ``LBFGS``, closure-driven, is its own
-small class whose closure is a pure ``closure(params) -> loss``. ``lr_scheduler`` (torch's schedulers
-driving ``param_groups``) is a submodule.
+small class. Every ``step(closure)`` takes torch's ``closure() -> loss`` (it calls
+``opt.zero_grad()`` and ``opt.backward(...)`` itself) or a pure ``closure(params) -> loss``,
+told apart by the signature (``closure_takes_params``). ``lr_scheduler`` (torch's
+schedulers driving ``param_groups``) is a submodule.
 """
 
 from functorch_optim._adadelta import adadelta
@@ -32,6 +34,7 @@ from functorch_optim.optim._lbfgs import LBFGS  # closure-driven, one global sta
 from functorch_optim.optim._optimizer import (
     GroupedParams,
     Optimizer,
+    closure_takes_params,
     group_by,
     make_optimizer_class,
     path_name,
@@ -90,6 +93,7 @@ __all__ = [
     "RMSprop",
     "Rprop",
     "SparseAdam",
+    "closure_takes_params",
     "group_by",
     "lr_scheduler",
     "make_optimizer_class",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,6 +23,7 @@ import numpy as np
 
 from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, schedule_key
 from functorch_optim._base import step as functional_step
+from functorch_optim._groups import path_name, select_groups
 from functorch_optim._hyperparams import set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
 from functorch_optim.interop.torch import _is_tensor, _to_numpy, _to_tensor
@@ -76,30 +77,6 @@ class _Layout:
         return tuple(
             tuple(x for x, o in zip(leaves, self.owner, strict=True) if o == g) for g in range(self.n_groups)
         )
-
-
-def path_name(path: tuple) -> str:
-    """A key path as a dotted name, like torch's ``named_parameters()``: ``"layers.0.bias"``.
-
-    Args:
-      path: a ``jax.tree_util`` key path (dict keys, sequence indices, attributes).
-
-    Returns:
-      The keys joined by ``"."``; the names ``group_by`` regexes are matched against.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
 
 
 def _leaf_names(paths: Sequence[tuple]) -> list[str] | None:
@@ -163,32 +140,14 @@ def group_by(params: PyTree, *groups: Mapping[str, Any]) -> GroupedParams:
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("optimizer got an empty parameter list")
-    selectors = []
     for i, spec in enumerate(groups):
         if not isinstance(spec, Mapping) or "where" not in spec:
             raise ValueError(
                 f"group_by: group {i} must be a dict with a 'where' key (a regex or a predicate "
                 f"(path, leaf) -> bool), got {spec!r}"
             )
-        where = spec["where"]
-        if isinstance(where, str):
-            pattern = re.compile(where)
-            selectors.append(lambda path, leaf, p=pattern: p.search(path_name(path)) is not None)
-        elif callable(where):
-            selectors.append(where)
-        else:
-            raise ValueError(
-                f"group_by: group {i}'s 'where' must be a regex string or a callable, got {where!r}"
-            )
-    owner = []
-    for path, leaf in leaves:
-        chosen = [i for i, sel in enumerate(selectors) if sel(path, leaf)]
-        if len(chosen) > 1:
-            raise ValueError(
-                "some parameters appear in more than one parameter group: "
-                f"{path_name(path)!r} is selected by groups {chosen}"
-            )
-        owner.append(chosen[0] if chosen else len(groups))
+    labels = [f"group {i}" for i in range(len(groups))]
+    owner = select_groups(leaves, [spec["where"] for spec in groups], labels)
     overrides = [{k: v for k, v in spec.items() if k != "where"} for spec in groups]
     for i, spec in enumerate(groups):
         if i not in owner:
@@ -212,14 +171,14 @@ def _multi_step(txs, params, grads, states):
     return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
-def _backward(loss_fn, layout, params, grads, args, kwargs):
+def _backward(loss_fn, layout, has_aux, params, grads, args, kwargs):
     def loss_of(groups):
         return loss_fn(layout.to_user(groups), *args, **kwargs)
 
-    loss, new = jax.value_and_grad(loss_of)(params)
+    out, new = jax.value_and_grad(loss_of, has_aux=has_aux)(params)
     # torch's ``loss.backward()`` adds into ``.grad``: old + new
     acc = jax.tree.map(lambda old, g: g if old is None else old + g, grads, new, is_leaf=is_none)
-    return loss, acc
+    return out, acc
 
 
 #: Transformations by (algorithm, state structure, schedules): two with equal keys step
@@ -242,12 +201,47 @@ def _shared(tx: Any, state: TorchState, config: Mapping[str, Any]) -> Any:
 
 
 _STEP = jax.jit(_multi_step, static_argnums=0, donate_argnums=(1, 3))
-_BACKWARD = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3,))
+_BACKWARD = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
+
+
+def closure_takes_params(closure: Callable[..., Any]) -> bool:
+    """Whether a ``step(closure)`` closure is the pure ``closure(params)`` form, by its signature.
+
+    A closure that can be called without arguments is torch's ``closure() -> loss``
+    (it evaluates the model and calls ``backward`` itself); one with exactly one required
+    positional parameter is the pure ``closure(params) -> loss``.
+
+    Args:
+      closure: the closure given to ``step``.
+
+    Returns:
+      True for ``closure(params)``, False for ``closure()``.
+
+    Raises:
+      TypeError: for a closure with two or more required positional parameters, or one
+        whose signature cannot be read.
+    """
+    try:
+        sig = inspect.signature(closure)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step: cannot read the signature of closure {closure!r}; pass a function "
+            "closure() -> loss (torch's) or closure(params) -> loss"
+        ) from None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in sig.parameters.values() if p.kind in positional and p.default is p.empty]
+    if len(required) > 1:
+        raise TypeError(
+            "closure must take no argument (torch's closure() -> loss, which calls "
+            "opt.zero_grad() and opt.backward(...) itself) or one, the parameters "
+            f"(closure(params) -> loss); got one that requires {', '.join(required)}"
+        )
+    return len(required) == 1
 
 
 def _is_array(x: Any) -> bool:
@@ -351,6 +345,87 @@ def check_names(g: int, saved: Mapping[str, Any], ours: Sequence[str] | None) ->
             )
 
 
+def group_entries(
+    saved_groups: Sequence[Mapping[str, Any]], saved_state: Mapping[Any, Any]
+) -> list[dict[int, tuple[Any, Any]]]:
+    """Per saved group, ``{position: (id, entry)}``: torch's ids mapped to positions.
+
+    Raises:
+      ValueError: for an id listed twice, or state for an id no group lists.
+    """
+    id_map: dict[Any, tuple[int, int]] = {}
+    for g, saved in enumerate(saved_groups):
+        for j, sid in enumerate(saved["params"]):
+            if sid in id_map:
+                raise ValueError(f"loaded state dict lists parameter id {sid!r} more than once")
+            id_map[sid] = (g, j)
+    entries: list[dict[int, tuple[Any, Any]]] = [{} for _ in saved_groups]
+    for key, value in saved_state.items():
+        if key not in id_map:
+            raise ValueError(
+                f"loaded state dict has state for parameter id {key!r}, which no parameter group lists"
+            )
+        g, j = id_map[key]
+        entries[g][j] = (key, value)
+    return entries
+
+
+@functools.cache
+def _hyperparameter_owners() -> dict[str, tuple[str, ...]]:
+    """Every registered optimizer's hyperparameter names, each with the classes taking it."""
+    from functorch_optim._registry import OPTIMIZERS
+
+    owners: dict[str, list[str]] = {}
+    for spec in OPTIMIZERS:
+        for p in _factory_parameters(spec.factory):
+            owners.setdefault(p.name, []).append(spec.torch_name)
+    return {k: tuple(v) for k, v in owners.items()}
+
+
+def check_foreign_keys(cls: str, g: int, saved: Mapping[str, Any], own: set[str]) -> None:
+    """Refuse a saved group holding another optimizer class's hyperparameter.
+
+    torch's dicts do not name their class; their groups do hold every hyperparameter of
+    it. A key that is some registered optimizer's hyperparameter, but neither one of
+    ``own`` nor of the registered class named ``cls``, means the dict is another
+    optimizer's (an Adam dict has ``amsgrad``, which NAdam lacks). Keys no optimizer
+    takes (a scheduler's ``initial_lr``) are kept, as torch keeps them.
+
+    Args:
+      cls: this optimizer's class name, for the message.
+      g: the group's index.
+      saved: the saved group.
+      own: every key this optimizer's groups hold.
+
+    Raises:
+      ValueError: naming the first foreign key and the classes that take it.
+    """
+    owners = _hyperparameter_owners()
+    for k in saved:
+        # a class of torch's name (a custom one built by make_optimizer_class) takes its keys
+        if k not in own and k not in _GROUP_KEYS and k in owners and cls not in owners[k]:
+            raise ValueError(
+                f"loaded state dict: parameter group {g} has {k!r}, a hyperparameter of "
+                f"{', '.join(owners[k])} that {cls} does not take: is it another optimizer's state dict?"
+            )
+
+
+def whole_count(value: Any, who: str, key: str = "step") -> int:
+    """A saved counter (``step``; LBFGS's ``n_iter``), a tensor, array or number, as an int.
+
+    Raises:
+      ValueError: naming ``key`` and ``who`` for anything but a whole number >= 0.
+    """
+    arr = _to_numpy(value)
+    ok = arr.shape in ((), (1,)) and (
+        jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+    )
+    number = float(arr.reshape(())) if ok else None
+    if number is None or not np.isfinite(number) or number < 0 or number != int(number):
+        raise ValueError(f"loaded state dict: {key!r} of {who} is {value!r}; it must be a whole number >= 0")
+    return int(number)
+
+
 def _as_tuples(value: Any, like: Any) -> Any:
     """``value`` with lists turned into tuples where ``like`` (the current value) has tuples."""
     if isinstance(like, tuple) and isinstance(value, list | tuple) and len(value) == len(like):
@@ -372,6 +447,15 @@ def _same(new: Any, old: Any) -> bool:
 
 def _copy_leaf(x: Any) -> jax.Array:
     return jnp.array(x, copy=True)
+
+
+def _checked_grad(params: PyTree, value: PyTree) -> tuple[PyTree, bool]:
+    """An assigned ``opt.grad``, checked against the parameters and copied; and whether all are None."""
+    # structure, shapes and dtypes (torch: assigned grad has data of a different type)
+    check_like_params(params, value, "grad")
+    g_leaves = jax.tree.structure(params).flatten_up_to(value)
+    copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+    return copied, all(g is None for g in g_leaves)
 
 
 def _factory_parameters(factory: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -466,6 +550,7 @@ class Optimizer:
             raise TypeError("Optimizer is abstract; make a class with make_optimizer_class(factory)")
         self.defaults = dict(defaults)
         self._factory_params = tuple(p.name for p in _factory_parameters(factory))
+        self._factory_defaults = {p.name: p.default for p in _factory_parameters(factory)}
         layout, trees, overrides, derived = self._split(params)
         for i, over in enumerate(overrides):
             self._check_keys(i, over)
@@ -483,7 +568,10 @@ class Optimizer:
         # everything validated: now copy the parameters and build the states
         self._layout = layout
         self._params = [jax.tree.map(_copy_leaf, tree) for tree in trees]
-        self._states = [tx.init(tree) for tx, tree in zip(txs, self._params, strict=True)]
+        self._states = [
+            self._initial_state(tx, alg, tree)
+            for tx, alg, tree in zip(txs, algorithms, self._params, strict=True)
+        ]
         self._txs = [_shared(tx, st, g) for tx, st, g in zip(txs, self._states, groups, strict=True)]
         self._algorithms = algorithms
         self._numeric = [frozenset(s.hparams) for s in self._states]
@@ -498,6 +586,19 @@ class Optimizer:
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
 
     # -- construction helpers -----------------------------------------------------------
+
+    def _initial_state(self, tx: Any, algorithm: Algorithm, tree: PyTree) -> TorchState:
+        """``tx.init(tree)``; for an algorithm whose state torch creates in ``__init__``
+        (Adagrad), the buffers come from the constructor's arguments, as torch's loop there
+        reads them: a group's own ``initial_accumulator_value`` shows in ``param_groups``
+        but does not seed its ``sum``."""
+        state = tx.init(tree)
+        if not algorithm.torch_state_at_init:
+            return state
+        factory = type(self).factory
+        fresh = factory(**{k: self.defaults[k] for k in self._factory_params}).init(tree)
+        buffers = {n: b if n == "step" else fresh.buffers[n] for n, b in state.buffers.items()}
+        return TorchState(state.hparams, state.count, buffers)
 
     def _check_keys(self, index: int, overrides: Mapping[str, Any]) -> None:
         unknown = sorted(set(overrides) - set(self._factory_params) - set(_GROUP_KEYS))
@@ -690,26 +791,28 @@ class Optimizer:
 
     @grad.setter
     def grad(self, value: PyTree) -> None:
-        check_like_params(self.params, value, "grad")
-        p_leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        g_leaves = jax.tree.structure(self.params).flatten_up_to(value)
-        for (path, p), g in zip(p_leaves, g_leaves, strict=True):
-            if g is not None and jnp.result_type(g) != p.dtype:
-                raise ValueError(
-                    f"grad at {keystr(path)} has dtype {jnp.result_type(g)}, but the parameter has "
-                    f"dtype {p.dtype} (torch: assigned grad has data of a different type)"
-                )
-        copied = jax.tree.map(lambda g: None if g is None else _copy_leaf(g), value, is_leaf=is_none)
+        copied, all_none = _checked_grad(self.params, value)
         self._grads = list(self._layout.to_groups(copied))
-        self._grads_all_none = all(g is None for g in g_leaves)
+        self._grads_all_none = all_none
 
     @property
     def state(self) -> TorchState | tuple[TorchState, ...]:
         """The functional state: a ``TorchState`` for one parameter group, else a tuple of them.
 
+        ``param_groups`` and the state are one source of truth: reading the state first
+        applies pending ``param_groups`` edits (yours, or a scheduler's ``step()`` before
+        the next ``opt.step()``), as ``step()`` would, so a state saved with orbax or
+        pickle right after ``scheduler.step()`` holds the new lr; an invalid edit raises
+        here with torch's message, changing nothing.
+
         Writable with a state of the same structure, shapes and dtypes (e.g. one
-        restored by orbax); the groups' numeric hyperparameters follow the new state.
+        restored by orbax): assigning restores it whole, and the groups' numeric
+        hyperparameters take the assigned state's values (pending edits included: a
+        scheduler built before the restore, as torch's resume order has it, may have set
+        its start lr; the restored state's lr wins). Pending structural flags stay
+        pending and apply at the next ``step()``.
         """
+        self._sync_groups()
         return self._states[0] if len(self._states) == 1 else tuple(self._states)
 
     @state.setter
@@ -762,7 +865,9 @@ class Optimizer:
                 for t in self._grads
             ]
 
-    def backward(self, loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> jax.Array:
+    def backward(
+        self, loss_fn: Callable[..., Any], *args: Any, has_aux: bool = False, **kwargs: Any
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """Compute ``loss_fn(opt.params, *args, **kwargs)`` and ADD its gradient into ``opt.grad``.
 
         As torch's ``loss.backward()`` accumulates into ``.grad``: call ``zero_grad()``
@@ -771,20 +876,37 @@ class Optimizer:
         every step; ``args``/``kwargs`` are traced arrays).
 
         Args:
-          loss_fn: ``(params, *args, **kwargs) -> scalar loss``; ``params`` comes in the
-            structure ``opt.params`` has.
+          loss_fn: ``(params, *args, **kwargs) -> scalar loss``, or ``-> (loss, aux)``
+            with ``has_aux=True``; ``params`` comes in the structure ``opt.params`` has.
           *args: positional arguments for ``loss_fn`` (a batch, targets, …).
+          has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of arrays
+            (an RNN's hidden state, a discriminator's outputs) that is not
+            differentiated (``jax.value_and_grad``'s ``has_aux``). Not passed to
+            ``loss_fn``.
           **kwargs: keyword arguments for ``loss_fn``.
 
         Returns:
-          The loss, a 0-d array.
+          The loss, a 0-d array; with ``has_aux=True``, ``(loss, aux)``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from functorch_optim.optim import SGD
+          >>> opt = SGD({"w": jnp.array([1.0, 2.0])}, lr=0.1)
+          >>> def loss_fn(params, x):
+          ...     out = params["w"] * x
+          ...     return jnp.sum(out**2), out
+          >>> loss, out = opt.backward(loss_fn, jnp.array([1.0, 1.0]), has_aux=True)
+          >>> float(loss), out.tolist(), opt.grad["w"].tolist()
+          (5.0, [1.0, 2.0], [2.0, 4.0])
         """
-        loss, grads = _BACKWARD(loss_fn, self._layout, tuple(self._params), tuple(self._grads), args, kwargs)
+        out, grads = _BACKWARD(
+            loss_fn, self._layout, bool(has_aux), tuple(self._params), tuple(self._grads), args, kwargs
+        )
         self._grads = list(grads)
         self._grads_all_none = False
-        return loss
+        return out
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[..., Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
         First applies changed ``param_groups`` values (validated with torch's messages;
@@ -792,15 +914,27 @@ class Optimizer:
         whose gradient is ``None`` is left untouched, state included.
 
         Args:
-          closure: optional ``() -> loss`` that re-evaluates the model (usually
-            ``zero_grad()`` then ``backward(...)``), called first, as in torch.
+          closure: optional; told apart by its signature (see ``closure_takes_params``):
+
+            * torch's ``closure() -> loss``, which re-evaluates the model itself
+              (``opt.zero_grad(); loss = opt.backward(loss_fn, x, y); return loss``),
+              called first, as in torch;
+            * a pure ``closure(params) -> loss``: the gradients become its gradient at
+              the current parameters (``zero_grad()`` then ``backward(closure)``).
 
         Returns:
           The closure's loss, or ``None`` without a closure.
+
+        Raises:
+          TypeError: a closure that needs more than one argument.
         """
         loss = None
         if closure is not None:
-            loss = closure()
+            if closure_takes_params(closure):
+                self.zero_grad()
+                loss = self.backward(closure)
+            else:
+                loss = closure()
         self._sync_groups()
         if self._grads_all_none:
             return loss
@@ -909,9 +1043,20 @@ class Optimizer:
         position (a permuted dict is refused instead of loading each state into another
         parameter); saved names replace missing ones, as in torch. The saved groups'
         hyperparameters replace the current ones (extra keys such as ``initial_lr`` are
-        kept). A parameter without an entry gets fresh state. ``count`` becomes the largest
-        per-parameter ``step``; for SGD, whose torch state has no ``step``, a parameter
-        with a momentum buffer resumes as already stepped (all SGD's rule reads).
+        kept); a flag a group lacks (``maximize``, ``foreach``, …: a dict of an older
+        torch) takes its default, as torch's ``__setstate__`` gives it. A parameter
+        without an entry gets fresh state. ``count`` becomes the largest per-parameter
+        ``step``; for SGD, whose torch state has no ``step``, a parameter with a momentum
+        buffer resumes as already stepped (all SGD's rule reads), one whose
+        ``momentum_buffer`` is ``None`` (torch's SGD with momentum 0) as not stepped.
+
+        Stricter than torch, which loads anything of the right length and fails (or
+        silently computes with another optimizer's state) later: every entry must hold
+        exactly what this optimizer keeps for that parameter, ``step`` a whole number
+        >= 0, each buffer the shape and, where it has the parameter's dtype, the dtype
+        this optimizer keeps (scalars torch keeps in its default dtype, NAdam's
+        ``mu_product``, ASGD's ``eta`` and ``mu``, are cast); the groups must hold no
+        other optimizer's hyperparameter and every numeric one of this optimizer's.
 
         Args:
           state_dict: ``{"state": {...}, "param_groups": [...]}``.
@@ -920,10 +1065,15 @@ class Optimizer:
           ValueError: ``loaded state dict has a different number of parameter groups``,
             ``loaded state dict contains a parameter group that doesn't match the size
             of optimizer's group`` (torch's texts); a saved parameter name that differs
-            from this optimizer's at its position (naming both); state for an id no group lists; a
-            buffer this optimizer does not keep; a buffer whose shape differs from the
-            parameter's; torch's message for an invalid hyperparameter. Raised before
-            anything changes: the optimizer is untouched after a failed load.
+            from this optimizer's at its position (naming both); an id listed twice, or
+            state for an id no group lists; an entry without ``step`` or a buffer this
+            optimizer keeps, with a buffer it does not keep, a buffer of another shape or
+            dtype, a negative or fractional ``step`` (each naming the parameter's id,
+            name and the key); a group with another optimizer's hyperparameter, without
+            one of this optimizer's numeric ones, or with another value of a constant
+            (AdamW's ``decoupled_weight_decay``); torch's message for an invalid
+            hyperparameter. Raised before anything changes: the optimizer is untouched
+            after a failed load.
         """
         saved_groups, saved_state = read_state_dict(state_dict)
         if len(saved_groups) != len(self.param_groups):
@@ -933,28 +1083,21 @@ class Optimizer:
                 "loaded state dict contains a parameter group "
                 "that doesn't match the size of optimizer's group"
             )
+        completed = []
         for g, saved in enumerate(saved_groups):
             check_names(g, saved, self.param_groups[g].get("param_names"))
-        id_map = {sid: (g, j) for g, s in enumerate(saved_groups) for j, sid in enumerate(s["params"])}
-        entries: list[dict[int, tuple[Any, Mapping[str, Any]]]] = [{} for _ in saved_groups]
-        for key, value in saved_state.items():
-            if key not in id_map:
-                raise ValueError(
-                    f"loaded state dict has state for parameter id {key!r}, which no parameter group lists"
-                )
-            g, j = id_map[key]
-            entries[g][j] = (key, value)
+            completed.append(self._completed(g, saved))
+        entries = group_entries(saved_groups, saved_state)
         factory = type(self).factory
         new = []
         for g, group in enumerate(self.param_groups):
             config = {k: v for k, v in group.items() if k != "params"}
-            saved = {k: v for k, v in saved_groups[g].items() if k != "params"}
-            config.update({k: _as_tuples(v, config.get(k)) for k, v in saved.items()})
+            config.update({k: _as_tuples(v, config.get(k)) for k, v in completed[g].items()})
             candidate = factory(**{k: config[k] for k in self._factory_params})
             fresh = candidate.init(self._params[g])
             same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
             tx = self._txs[g] if same else _shared(candidate, fresh, config)
-            state = self._state_from_entries(g, fresh, entries[g])
+            state = self._state_from_entries(g, fresh, entries[g], config.get("param_names"))
             new.append((g, tx, state, config))
         for g, tx, state, config in new:
             self._txs[g], self._states[g] = tx, state
@@ -962,50 +1105,94 @@ class Optimizer:
             self._applied[g] = {k: config[k] for k in self._factory_params}
             self._numeric[g] = frozenset(state.hparams)
 
-    def _state_from_entries(self, g: int, fresh: TorchState, entries: Mapping[int, tuple]) -> TorchState:
-        algorithm = self._algorithms[g]
-        names = [n for n in fresh.buffers if n != "step"]
+    def _completed(self, g: int, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """A saved group (without ``params``), checked and completed as torch completes it.
+
+        torch's ``__setstate__`` gives a group that lacks a flag (``maximize``, ``foreach``,
+        ``amsgrad``, …: dicts of older versions) the flag's default; so does this. A
+        missing numeric hyperparameter, another class's hyperparameter or another value
+        of a constant (AdamW's ``decoupled_weight_decay``) means another optimizer's dict.
+        """
+        cls = type(self).__name__
+        check_foreign_keys(cls, g, saved, set(self.defaults))
+        group = {k: v for k, v in saved.items() if k != "params"}
+        for k, value in self.defaults.items():
+            if k not in self._factory_params:  # a constant entry (group_extras)
+                if k in group and not _same(group[k], value):
+                    raise ValueError(
+                        f"loaded state dict: parameter group {g} has {k}={group[k]!r}, but "
+                        f"{cls}'s is always {value!r}: is it another optimizer's state dict?"
+                    )
+                group.setdefault(k, value)
+            elif k not in group:
+                default = self._factory_defaults[k]
+                if not (default is None or isinstance(default, bool)):
+                    raise ValueError(
+                        f"loaded state dict: parameter group {g} lacks {k!r}, which {cls} keeps in "
+                        "every group: is it another optimizer's state dict?"
+                    )
+                group[k] = default
+        return group
+
+    def _state_from_entries(
+        self, g: int, fresh: TorchState, entries: Mapping[int, tuple], names: Sequence[str] | None
+    ) -> TorchState:
+        """Group ``g``'s state from its saved entries, every entry checked against ``fresh``."""
+        algorithm, cls = self._algorithms[g], type(self).__name__
+        kept = [n for n in fresh.buffers if n != "step"]
         pdef = jax.tree.structure(self._params[g])
-        bufs = {n: pdef.flatten_up_to(fresh.buffers[n]) for n in names}
+        bufs = {n: pdef.flatten_up_to(fresh.buffers[n]) for n in kept}
+        param_dtypes = [p.dtype for p in jax.tree.leaves(self._params[g])]
         steps = [0] * self._sizes[g]
         for j, (key, entry) in entries.items():
-            loaded = False
-            for name, raw in entry.items():
-                value = raw if raw is None else _to_numpy(raw)
-                if name == "step":
-                    steps[j] = round(float(np.asarray(value)))
-                    continue
-                if value is None:
-                    continue
-                if name not in bufs:
+            who = f"parameter {key!r}" + ("" if names is None else f" ({names[j]!r})")
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"loaded state dict: the state of {who} must be a dict, got {entry!r}")
+            required = [n for n in kept if bufs[n][j] is not None]
+            expected = ["step"] * (algorithm.torch_step is not None) + required
+            for name, value in entry.items():
+                if name == "step" and algorithm.torch_step is not None:
+                    steps[j] = whole_count(value, who)
+                elif name not in required and value is not None:
+                    where = "with these settings" if name not in bufs else "for a parameter of this shape"
                     raise ValueError(
-                        f"loaded state dict: parameter {key!r} has state {name!r}, which "
-                        f"{type(self).__name__} with these settings does not keep (it keeps: "
-                        f"{', '.join(names) or 'nothing'})"
+                        f"loaded state dict: {who} has state {name!r}, which {cls} {where} does "
+                        f"not keep (it keeps: {', '.join(expected) or 'nothing'})"
                     )
-                ref = bufs[name][j]
-                if ref is None:
-                    raise ValueError(
-                        f"loaded state dict: parameter {key!r} has state {name!r}, which "
-                        f"{type(self).__name__} does not keep for a parameter of this shape"
-                    )
-                value = np.asarray(value)
+            if algorithm.torch_step is None and all(n in entry and entry[n] is None for n in required):
+                continue  # torch's SGD with momentum_buffer=None (momentum was 0): not stepped
+            missing = [n for n in expected if entry.get(n) is None]
+            if missing:
+                raise ValueError(
+                    f"loaded state dict: {who} has no {missing[0]!r}; {cls} with these settings "
+                    f"keeps {', '.join(expected)} for every parameter with state"
+                )
+            for name in required:
+                ref, value = bufs[name][j], _to_numpy(entry[name])
                 if value.shape != ref.shape:
                     raise ValueError(
-                        f"loaded state dict: {name} of parameter {key!r} has shape {value.shape}, "
-                        f"but the parameter's is {ref.shape}"
+                        f"loaded state dict: {name} of {who} has shape {value.shape}, but "
+                        f"{cls} keeps it with shape {ref.shape}"
+                    )
+                # a buffer of the parameter's dtype must have it (torch's state always does);
+                # scalars torch keeps in its default dtype (eta, mu, mu_product) are cast
+                exact = ref.dtype == param_dtypes[j]
+                if (exact and value.dtype != ref.dtype) or not jnp.issubdtype(value.dtype, jnp.floating):
+                    raise ValueError(
+                        f"loaded state dict: {name} of {who} has dtype {value.dtype}, but {cls} "
+                        f"keeps it in {ref.dtype}" + (" (the parameter's dtype)" if exact else "")
                     )
                 bufs[name][j] = jnp.asarray(value, dtype=ref.dtype)
-                loaded = True
-            if algorithm.torch_step is None and loaded:
-                steps[j] = max(steps[j], 1)
+            if algorithm.torch_step is None:
+                steps[j] = 1  # all SGD's rule reads: stepped before
         buffers = {"step": pdef.unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
-        for n in names:
+        for n in kept:
             buffers[n] = pdef.unflatten(bufs[n])
         count = jnp.asarray(max(steps, default=0), jnp.int32)
         return TorchState(fresh.hparams, count, {n: buffers[n] for n in fresh.buffers})
 
     def __getstate__(self) -> dict[str, Any]:
+        self._sync_groups()  # pending param_groups edits are part of the state
         # the transformations are closures: rebuilt from the applied configuration on load
         state = dict(self.__dict__)
         del state["_txs"]

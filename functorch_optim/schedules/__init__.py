@@ -11,7 +11,10 @@ hyperparameter::
 The value then lives in the optimizer state and advances once per optimizer step (never
 per ``grad_accumulate`` micro-step); ``fo.get_hparams(state)["lr"]`` is the value the next
 step uses, i.e. torch's ``scheduler.get_last_lr()`` after as many ``scheduler.step()``
-calls as optimizer steps taken.
+calls as optimizer steps taken. torch loops that call ``scheduler.step()`` once per epoch
+wrap the schedule: ``per_epoch(schedule, steps_per_epoch)`` steps it once every
+``steps_per_epoch`` optimizer steps, exactly as torch's per-epoch loop, for every
+scheduler.
 
 How torch's numbers are reproduced:
 
@@ -41,7 +44,7 @@ is a pure function that updates the lr held in the optimizer state.
 
 One module per family: ``_step`` (the closed-form step schedules: StepLR ... SWALR),
 ``_cyclic`` (CyclicLR, OneCycleLR), ``_plateau`` (ReduceLROnPlateau), ``_composite``
-(LambdaLR, MultiplicativeLR, SequentialLR, ChainedScheduler), over ``_core`` (torch's
+(LambdaLR, MultiplicativeLR, SequentialLR, ChainedScheduler, and ``per_epoch``), over ``_core`` (torch's
 scheduler protocol and :class:`Schedule`). Every public name is re-exported here.
 """
 
@@ -51,6 +54,7 @@ from functorch_optim.schedules._composite import (
     chained_scheduler,
     lambda_lr,
     multiplicative_lr,
+    per_epoch,
     sequential_lr,
 )
 from functorch_optim.schedules._core import Schedule
@@ -85,6 +89,7 @@ __all__ = [
     "multi_step_lr",
     "multiplicative_lr",
     "one_cycle_lr",
+    "per_epoch",
     "polynomial_lr",
     "reduce_lr_on_plateau",
     "sequential_lr",

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from functorch_optim.schedules._core import (
+    Group,
     Schedule,
     SState,
+    _check_count,
     _f,
     _i,
     _n_groups,
@@ -99,19 +101,27 @@ class _MultiplicativeLR(_LambdaLR):
         return group["lr"] * self._factors(st, jnp.shape(group["lr"])), group
 
 
-class _ChainedScheduler(_Spec):
-    name = "ChainedScheduler"
+class _Composite(_Spec):
+    """A scheduler over others: it cycles momentum when one of them does."""
 
     def __init__(self, specs: list[_Spec]) -> None:
         self.specs = specs
         self.cycles_momentum = any(s.cycles_momentum for s in specs)
-        self.eager = any(s.eager for s in specs)
 
-    def construct(self, group):
+    def construct_subs(self, group: Group) -> tuple[Group, list[SState]]:
+        """Build the sub-schedulers in order on the same group, as torch's on one optimizer."""
         states = []
         for spec in self.specs:
             group, st = spec.construct(group)
             states.append(st)
+        return group, states
+
+
+class _ChainedScheduler(_Composite):
+    name = "ChainedScheduler"
+
+    def construct(self, group):
+        group, states = self.construct_subs(group)
         return group, {"subs": tuple(states)}
 
     def step(self, group, st, is_initial=False):
@@ -125,19 +135,15 @@ class _ChainedScheduler(_Spec):
         return {"subs": tuple(spec.undo(s) for spec, s in zip(self.specs, st["subs"], strict=True))}
 
 
-class _SequentialLR(_Spec):
+class _SequentialLR(_Composite):
     name = "SequentialLR"
 
     def __init__(self, specs: list[_Spec], milestones: list[int]) -> None:
-        self.specs, self.milestones = specs, list(milestones)
-        self.cycles_momentum = any(s.cycles_momentum for s in specs)
-        self.eager = any(s.eager for s in specs)
+        super().__init__(specs)
+        self.milestones = list(milestones)
 
     def construct(self, group):
-        states = []
-        for spec in self.specs:
-            group, st = spec.construct(group)
-            states.append(st)
+        group, states = self.construct_subs(group)
         group = {**group, "lr": group["initial_lr"]}
         states = [spec.undo(s) for spec, s in zip(self.specs, states, strict=True)]
         idx = bisect.bisect_right(self.milestones, 0)
@@ -161,6 +167,28 @@ class _SequentialLR(_Spec):
 
     def undo(self, st):
         return {**st, "subs": tuple(spec.undo(s) for spec, s in zip(self.specs, st["subs"], strict=True))}
+
+
+class _PerEpoch(_Spec):
+    """Another scheduler stepped once every ``steps_per_epoch`` steps: torch's per-epoch loop."""
+
+    def __init__(self, inner: _Spec, steps_per_epoch: int) -> None:
+        self.inner, self.steps_per_epoch = inner, steps_per_epoch
+        self.name = inner.name
+        self.cycles_momentum = inner.cycles_momentum
+
+    def construct(self, group):
+        group, st = self.inner.construct(group)
+        return group, {"inner": st, "epoch_step": _i(0)}
+
+    def step(self, group, st, is_initial=False):
+        k = st["epoch_step"] + 1
+        boundary = k == self.steps_per_epoch
+        stepped, inner = self.inner.step(group, st["inner"])
+        return _where(boundary, stepped, group), {
+            "inner": _where(boundary, inner, st["inner"]),
+            "epoch_step": jnp.where(boundary, 0, k).astype(jnp.int32),
+        }
 
 
 def _lambda_schedule(lr: Any, lr_lambda: Any, spec: type[_LambdaLR], eager: bool = False) -> Schedule:
@@ -252,6 +280,11 @@ def _check_subs(name: str, schedulers: Sequence[Any], allow_composite: bool) -> 
                 f"{name} at index {i} should be a learning-rate schedule from "
                 f"functorch_optim.schedules, got {type(s).__name__}"
             )
+        if isinstance(s._spec, _PerEpoch):
+            raise ValueError(
+                f"{name} at index {i} is a per_epoch schedule: the schedules of a {name} step "
+                f"together, so wrap the whole {name} in per_epoch instead"
+            )
         if not allow_composite and isinstance(s._spec, _SequentialLR | _ChainedScheduler):
             raise ValueError(
                 f"{name} at index {i} is a {s.name}, which torch cannot restart at a milestone "
@@ -342,3 +375,59 @@ def chained_scheduler(schedulers: Sequence[Schedule]) -> Schedule:
     specs, start = _check_subs(name, schedulers, allow_composite=True)
     lr = next((s.lr for s in schedulers if s.lr is not None), None)
     return Schedule(_ChainedScheduler(specs), lr, start_lr=start)
+
+
+def per_epoch(schedule: Schedule, steps_per_epoch: int) -> Schedule:
+    r"""A schedule stepped once per epoch of ``steps_per_epoch`` optimizer steps, as torch loops do.
+
+    torch code often steps its scheduler after each epoch, not after each batch::
+
+        for epoch in range(epochs):
+            for x, y in loader:            # len(loader) == steps_per_epoch
+                ...; opt.step()
+            scheduler.step()
+
+    Functional schedules advance once per optimizer step; ``per_epoch(schedule,
+    len(loader))`` runs the wrapped scheduler's own ``step()`` once every
+    ``steps_per_epoch`` optimizer steps and holds its value in between, so after
+    :math:`t` optimizer steps the value is torch's after :math:`\lfloor t /
+    \text{steps\_per\_epoch} \rfloor` ``scheduler.step()`` calls, exactly, for every
+    scheduler (recursive, cyclic, sequential and chained ones too; ``step_size``,
+    ``T_max``, milestones, ... stay in epochs, as in the torch code). Steps here are
+    optimizer steps: ``grad_accumulate``'s micro-steps do not count.
+
+    Args:
+      schedule: a schedule from ``functorch_optim.schedules`` (its ``momentum``
+        companion, when it cycles momentum, is per epoch too: take it from the result).
+      steps_per_epoch: optimizer steps per epoch, an integer >= 1 (``len(loader)``;
+        an epoch with fewer steps, e.g. a last partial batch the loader does not drop,
+        counts the same ``steps_per_epoch``).
+
+    Returns:
+      A :class:`Schedule`.
+
+    Raises:
+      ValueError: ``steps_per_epoch must be an integer >= 1, got …``; for
+        ``reduce_lr_on_plateau``, which moves only with its ``step(state, metric)``
+        (call that once per epoch).
+      TypeError: for anything but a learning-rate schedule of this module.
+
+    Examples:
+      >>> import functorch_optim as fo
+      >>> s = fo.schedules.per_epoch(fo.schedules.step_lr(1.0, step_size=1, gamma=0.5), 3)
+      >>> s.values(7).tolist()
+      [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25]
+      >>> tx = fo.sgd(lr=s, momentum=0.9)  # as any schedule
+    """
+    if isinstance(schedule, _PlateauSchedule):
+        raise ValueError(
+            "per_epoch: ReduceLROnPlateau moves only with plateau.step(opt_state, metric); call that "
+            "once per epoch instead"
+        )
+    if not isinstance(schedule, Schedule) or schedule.key != "lr":
+        raise TypeError(
+            "per_epoch takes a schedule from functorch_optim.schedules (the lr schedule, not its "
+            f"momentum companion), got {type(schedule).__name__}"
+        )
+    spec = _PerEpoch(schedule._spec, _check_count("steps_per_epoch", steps_per_epoch))
+    return Schedule(spec, schedule.lr, start_lr=schedule._start_lr)

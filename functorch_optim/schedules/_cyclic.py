@@ -39,8 +39,10 @@ class _CyclicLR(_Spec):
         self.base_momentum, self.max_momentum = base_momentum, max_momentum
 
     def scale_fn(self, x):
+        if self.custom is not None and self.eager:  # the facade: a Python int, as torch
+            return _f(self.custom(int(x)))
         if self.custom is not None:
-            return _f(self.custom(x))
+            return _f(self.custom(jnp.asarray(x, jnp.result_type(int))))  # int64 under x64, as lambda_lr
         if self.mode == "triangular":
             return _f(1.0)
         if self.mode == "triangular2":
@@ -175,7 +177,8 @@ def cyclic_lr(
       step_size_down: steps in the falling half, default ``step_size_up``.
       mode: ``"triangular"`` (default), ``"triangular2"`` or ``"exp_range"``.
       gamma: the ``exp_range`` base, default 1.
-      scale_fn: a custom ``x -> scale`` (jax.numpy-traceable); overrides ``mode``.
+      scale_fn: a custom ``x -> scale`` (jax.numpy-traceable; ``x``, the cycle or the
+        iteration, an integer array, int64 under x64); overrides ``mode``.
       scale_mode: ``"cycle"`` (default) or ``"iterations"``, for ``scale_fn``.
       cycle_momentum: cycle momentum too (default True, as torch): pass
         ``momentum=sched.momentum`` or ``betas=(sched.momentum, beta2)`` to the

@@ -1,0 +1,3 @@
+"""The ports are scripts, run by ``tests/test_ports.py``; pytest does not collect them here."""
+
+collect_ignore_glob = ["*.py"]

@@ -1,0 +1,301 @@
+"""The JAX ecosystem's idioms around this package's optimizers, unchanged.
+
+equinox (``eqx.filter`` / ``eqx.apply_updates``), flax nnx (``nnx.Optimizer``), flax
+linen (``TrainState``), ``optax.chain`` / ``multi_transform`` / ``inject_hyperparams``:
+each run is compared with the same run on a plain pytree (bit for bit) and with torch
+(float64, relative 1e-12).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+from flax.training import train_state
+
+import functorch_optim as fo
+
+STEPS = 4
+SIZES = (3, 4, 2)  # in, hidden, out
+TOL = 1e-12
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((6, SIZES[0])), rng.standard_normal((6, SIZES[-1]))
+
+
+X, Y = _data()
+
+OPTIMIZERS = {
+    "sgd-momentum": (
+        lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    "adamw": (
+        lambda: fo.adamw(lr=0.05, weight_decay=0.1, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1, amsgrad=True),
+    ),
+}
+
+
+def mlp_loss(layers, x, y):
+    """The mean squared error of a relu MLP given as ``[(W, b), ...]`` (torch's layout)."""
+    h = x
+    for i, (w, b) in enumerate(layers):
+        h = h @ w.T + b[None, :]
+        if i < len(layers) - 1:
+            h = jax.nn.relu(h)
+    return jnp.mean((h - y) ** 2)
+
+
+def torch_run(layers, make_opt, steps=STEPS):
+    """``steps`` full-batch steps of torch on the MLP ``layers``; the final ``[(W, b)]``."""
+    mods = []
+    for i, (w, b) in enumerate(layers):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], dtype=torch.float64)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(np.array(w)))
+            lin.bias.copy_(torch.from_numpy(np.array(b)))
+        mods.append(lin)
+        if i < len(layers) - 1:
+            mods.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*mods)
+    opt = make_opt(model.parameters())
+    x, y = torch.from_numpy(X), torch.from_numpy(Y)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [
+        (m.weight.detach().numpy(), m.bias.detach().numpy()) for m in model if isinstance(m, torch.nn.Linear)
+    ]
+
+
+def assert_close(ours, theirs, tol=TOL):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape
+        err = np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-300))
+        assert err <= tol, err
+
+
+def assert_same(ours, theirs):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------- equinox
+
+
+def eqx_model():
+    model = eqx.nn.MLP(SIZES[0], SIZES[-1], SIZES[1], 1, key=jax.random.PRNGKey(0), dtype=jnp.float64)
+    return model
+
+
+def eqx_layers(model):
+    return [(lin.weight, lin.bias) for lin in model.layers]
+
+
+def eqx_loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def eqx_run(tx, model, steps=STEPS):
+    """equinox's training loop as its docs write it."""
+    state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def train_step(model, state, x, y):
+        grads = eqx.filter_grad(eqx_loss)(model, x, y)
+        updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), state
+
+    for _ in range(steps):
+        model, state = train_step(model, state, X, Y)
+    return model, state
+
+
+def plain_run(tx, layers, steps=STEPS):
+    """The same loop on a plain list of ``(W, b)`` pairs, through ``tx.update``."""
+    layers = [tuple(jnp.asarray(a) for a in pair) for pair in layers]
+    state = tx.init(layers)
+
+    @jax.jit
+    def train_step(layers, state, x, y):
+        grads = jax.grad(mlp_loss)(layers, x, y)
+        updates, state = tx.update(grads, state, layers)
+        return optax.apply_updates(layers, updates), state
+
+    for _ in range(steps):
+        layers, state = train_step(layers, state, X, Y)
+    return layers, state
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_equinox_filter_idiom_equals_plain_pytree_and_torch(name):
+    make_tx, make_torch = OPTIMIZERS[name]
+    model = eqx_model()
+    trained, state = eqx_run(make_tx(), model)
+    plain, plain_state = plain_run(make_tx(), eqx_layers(model))
+    assert_same(eqx_layers(trained), plain)
+    # the activation function is not a parameter: no state there
+    assert state.buffers["step"].activation is None
+    assert int(state.buffers["step"].layers[0].weight) == STEPS
+    assert_close(eqx_layers(trained), torch_run(eqx_layers(model), make_torch))
+    assert_same(jax.tree.leaves(state), jax.tree.leaves(plain_state))
+
+
+WRAPPERS = {
+    "chain-clip": lambda: optax.chain(optax.clip_by_global_norm(0.5), fo.adamw(lr=0.05)),
+    "grad_accumulate": lambda: fo.grad_accumulate(fo.adamw(lr=0.05), every=2),
+    # a label that selects nothing: its optimizer gets an empty tree
+    "multi_transform-empty-label": lambda: optax.multi_transform(
+        {"all": fo.adamw(lr=0.05), "none": fo.sgd(lr=0.1, momentum=0.9)},
+        lambda p: jax.tree.map(lambda _: "all", p),
+    ),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(fo.adamw)(lr=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_equinox_through_optax_wrappers_equals_plain_pytree(name):
+    model = eqx_model()
+    trained, _ = eqx_run(WRAPPERS[name](), model)
+    plain, _ = plain_run(WRAPPERS[name](), eqx_layers(model))
+    assert_same(eqx_layers(trained), plain)
+    direct, _ = plain_run(
+        fo.adamw(lr=0.05), eqx_layers(model), steps=STEPS // 2 if "accum" in name else STEPS
+    )
+    if name != "chain-clip":  # accumulating one batch twice: its mean is that batch's gradient
+        assert_same(plain, direct)
+
+
+def test_inject_hyperparams_drives_the_optimizer():
+    """Changing ``state.hyperparams`` changes the step, under jit, as for optax's own."""
+    layers = [tuple(jnp.asarray(a) for a in pair) for pair in eqx_layers(eqx_model())]
+    tx = optax.inject_hyperparams(fo.sgd)(lr=0.1, momentum=0.9)
+    ref = fo.sgd(lr=0.1, momentum=0.9)
+    state, ref_state = tx.init(layers), ref.init(layers)
+    update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+    ours, theirs = layers, layers
+    for lr in (0.1, 0.02, 0.3):
+        state.hyperparams["lr"] = jnp.asarray(lr)
+        ref_state = fo.set_hparams(ref_state, lr=lr)
+        grads = jax.grad(mlp_loss)(ours, X, Y)
+        updates, state = update(grads, state, ours)
+        ours = optax.apply_updates(ours, updates)
+        updates, ref_state = ref_update(grads, ref_state, theirs)
+        theirs = optax.apply_updates(theirs, updates)
+        assert_same(ours, theirs)
+    assert float(state.inner_state.hparams["lr"]) == 0.3
+    # the injected value is an input of the transformation, not state to set
+    with pytest.raises(ValueError, match="lr is driven by a schedule, or was given to the constructor"):
+        fo.set_hparams(state.inner_state, lr=0.5)
+
+
+def test_none_in_params_is_not_a_parameter_none_grad_is_no_gradient():
+    tx = fo.adam(lr=0.1)
+    params = {"w": jnp.ones(2), "b": jnp.ones(2), "act": None}
+    state = tx.init(params)
+    assert state.exp_avg["act"] is None
+    grads = {"w": jnp.ones(2), "b": None, "act": None}
+    updates, state = tx.update(grads, state, params)
+    assert updates["act"] is None and updates["b"] is None
+    assert int(state.step["w"]) == 1 and int(state.step["b"]) == 0
+    new = fo.apply_updates(params, updates)
+    assert new["act"] is None
+    np.testing.assert_array_equal(new["b"], params["b"])
+    with pytest.raises(ValueError, match=r"grads have a value at \['act'\], where params have None"):
+        tx.update({"w": jnp.ones(2), "b": None, "act": jnp.ones(2)}, state, params)
+
+
+# ------------------------------------------------------------------------------------- flax
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(SIZES[0], SIZES[1], rngs=rngs, param_dtype=jnp.float64)
+        self.l2 = nnx.Linear(SIZES[1], SIZES[2], rngs=rngs, param_dtype=jnp.float64)
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.float64))  # not a parameter
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def nnx_layers(model):
+    return [(lin.kernel[...].T, lin.bias[...]) for lin in (model.l1, model.l2)]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_flax_nnx_optimizer_equals_torch(name):
+    make_tx, make_torch = OPTIMIZERS[name]
+    model = NnxMLP(nnx.Rngs(0))
+    start = [tuple(np.array(a) for a in pair) for pair in nnx_layers(model)]
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+
+    for _ in range(STEPS):
+        train_step(model, optimizer, X, Y)
+    assert float(model.calls[...]) == STEPS
+    assert_close(nnx_layers(model), torch_run(start, make_torch))
+    plain, _ = plain_run(make_tx(), start)
+    assert_close(nnx_layers(model), plain, tol=1e-14)
+
+
+class LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        h = jax.nn.relu(linen.Dense(SIZES[1], param_dtype=jnp.float64, name="l1")(x))
+        return linen.Dense(SIZES[2], param_dtype=jnp.float64, name="l2")(h)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_flax_linen_train_state_equals_torch(name):
+    make_tx, make_torch = OPTIMIZERS[name]
+    module = LinenMLP()
+    variables = module.init(jax.random.PRNGKey(0), jnp.asarray(X))
+    start = [
+        (np.array(variables["params"][n]["kernel"]).T, np.array(variables["params"][n]["bias"]))
+        for n in ("l1", "l2")
+    ]
+    state = train_state.TrainState.create(apply_fn=module.apply, params=variables["params"], tx=make_tx())
+
+    @jax.jit
+    def train_step(state, x, y):
+        def loss(p):
+            return jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    for _ in range(STEPS):
+        state = train_step(state, X, Y)
+    trained = [(state.params[n]["kernel"].T, state.params[n]["bias"]) for n in ("l1", "l2")]
+    assert int(state.step) == STEPS
+    assert_close(trained, torch_run(start, make_torch))
+
+
+def test_array_hyperparameters_are_not_shared_between_facades():
+    """Two facades whose lr is a JAX array each step with their own (the value lives in the
+    transformation, so the facade's cache of compiled steps must not share it)."""
+    from functorch_optim.optim import SGD
+
+    outs = []
+    for lr in (0.1, 0.5):
+        opt = SGD({"w": jnp.ones(2)}, lr=jnp.asarray(lr))
+        opt.zero_grad()
+        opt.backward(lambda p: jnp.sum(p["w"]))
+        opt.step()
+        outs.append(opt.params["w"].tolist())
+    assert outs == [[0.9, 0.9], [0.5, 0.5]]
