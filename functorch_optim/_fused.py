@@ -279,12 +279,15 @@ def _call(
 
 
 def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False) -> Algorithm:
-    """``algorithm`` with ``kernel`` as its ``fused_step``. Loads the kernel library now,
-    so that a missing one is reported (one warning) at construction; without it the
-    fused step runs the jitted rule. ``auto`` (``fused=None``): not where several CPU
+    """``algorithm`` with ``kernel`` as its ``fused_step``. With ``fused=True`` it loads
+    the kernel library now, so that a missing one is reported (one warning) at
+    construction; the default loads it when a step is first traced (so that building an
+    optimizer, e.g. at import, never warns); without it the fused step runs the jitted
+    rule. ``auto`` (``fused=None``): not where several CPU
     devices could shard the step either (``_kernels_apply``). (torch's "floating point
     params only" check for ``fused`` is every optimizer's here.)"""
-    load_kernels()
+    if not auto:  # the default loads the library when a step is first traced
+        load_kernels()
     return dataclasses.replace(
         algorithm, fused_step=FusedStep(kernel, algorithm, auto), fused_window=FusedWindow(kernel, auto)
     )

@@ -227,3 +227,16 @@ def test_each_clone_is_bit_identical_to_the_jitted_rule(package, tmp_path, arch)
         assert "zmm" not in code and (("vfmadd" in code) == (arch == "x86-64-v3"))
     result = _run(root, tmp_path, "all")
     assert result["path"] == str(library) and result["warnings"] == []
+
+
+def test_importing_and_building_default_optimizers_never_warns(package, tmp_path):
+    # the default (fused=None) loads the library when a step is traced, not before
+    root, library = package
+    library.unlink()
+    code = (
+        "import warnings; warnings.simplefilter('error'); import functorch_optim as fo; "
+        "fo.sgd(lr=0.1); fo.adamw(lr=0.1); fo.adagrad(lr=0.1); print('quiet')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "quiet", run.stderr[-2000:]
