@@ -552,6 +552,121 @@ class _StepCache:
         return runner
 
 
+class _Replay:
+    """functorch_optim's side of one row, computed ahead: the state after each step.
+
+    ``_run`` drives it like a ``_FoRunner``: ``step`` moves to the next precomputed
+    params and state (computed from the same gradients ``_run`` feeds).
+    """
+
+    def __init__(self, params: Any, state: Any, after: list[tuple[Any, Any]]):
+        self.params, self.state = params, state
+        self._after = after
+        self._t = 0
+
+    def step(self, grads: Any) -> None:
+        self.params, self.state = self._after[self._t]
+        self._t += 1
+
+    def buffers(self) -> Mapping[str, Any]:
+        return getattr(self.state, "buffers", {})
+
+
+class _BatchedSteps:
+    """The steps of all rows of one optimizer, in one compiled program.
+
+    XLA compiles one program with many small steps in much less time than as many
+    programs with one step each (each program costs its own passes, code generation and
+    loading: 50 steps of ten optimizers, 8.2 s of CPU time as one program and 12.8 s as
+    50). The program takes one slot per distinct step (state structure and dtypes: the
+    configurations that ``_StepCache`` would share one step between share a slot, each
+    slot computed with the first of its configurations' transformation, the others'
+    numbers being data in their state) and returns every slot's next params and state;
+    the rows of a slot take turns, a pass of ``steps`` calls each. ``runner`` hands each
+    (configuration, dtype) its precomputed trajectory.
+
+    A configuration that fails to build is reported by its own row; if the program
+    itself fails, every row falls back to its own compiled step (``_StepCache``), so an
+    error shows on the row that causes it.
+    """
+
+    def __init__(self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int):
+        self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
+        self._runners: dict[tuple[int, str], Any] | None = None
+        self._fallback: _StepCache | None = None
+        #: the (configuration index, dtype name) rows of each slot, once computed
+        self.slots: list[list[tuple[int, str]]] = []
+
+    def runner(self, spec: OptimizerSpec, config: Mapping[str, Any], params: Any) -> Any:
+        if self._fallback is not None:
+            return self._fallback.runner(spec, config, params)
+        if self._runners is None:
+            try:
+                self._runners = self._compute()
+            except Exception:  # attribute the failure to its row: each row on its own step
+                self._fallback = _StepCache()
+                return self._fallback.runner(spec, config, params)
+        dtype = str(np.result_type(*jax.tree.leaves(params)))
+        found = self._runners[(self.configs.index(dict(config)), dtype)]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def _compute(self) -> dict[tuple[int, str], Any]:
+        shapes = getattr(self.spec, "shapes", None)
+        out: dict[tuple[int, str], Any] = {}
+        members: dict[tuple[int, str], tuple[_FoRunner, list[Any]]] = {}
+        slots: dict[Any, list[tuple[int, str]]] = {}
+        for i, config in enumerate(self.configs):
+            for dtype in (np.float64, np.float32):
+                name = np.dtype(dtype).name
+                params, grads = _stream(self.steps, dtype, shapes)
+                try:
+                    runner = _FoRunner(self.spec, config, params)
+                except Exception as exc:  # reported by the row
+                    out[(i, name)] = exc
+                    continue
+                members[(i, name)] = (runner, grads)
+                slots.setdefault(_slot_key(runner, (i, name), grads), []).append((i, name))
+        self.slots = list(slots.values())
+        if not slots:
+            return out
+        firsts = [members[slot[0]][0].tx for slot in slots.values()]
+
+        def parity_steps(args):
+            return [_fo_step(tx, p, g, s) for tx, (p, g, s) in zip(firsts, args, strict=True)]
+
+        program = jax.jit(parity_steps)
+        for j in range(max(len(slot) for slot in slots.values())):
+            # a slot without a j-th row computes its first row again, unread
+            chosen = [slot[j] if j < len(slot) else slot[0] for slot in slots.values()]
+            real = [j < len(slot) for slot in slots.values()]
+            carry = [(members[m][0].params, members[m][0].state) for m in chosen]
+            after: list[list[tuple[Any, Any]]] = [[] for _ in chosen]
+            for t in range(self.steps):
+                args = [(p, members[m][1][t], st) for m, (p, st) in zip(chosen, carry, strict=True)]
+                carry = [tuple(x) for x in program(args)]
+                for k, x in enumerate(carry):
+                    after[k].append(x)
+            for m, is_real, trajectory in zip(chosen, real, after, strict=True):
+                if is_real:
+                    runner = members[m][0]
+                    out[m] = _Replay(runner.params, runner.state, trajectory)
+        return out
+
+
+def _slot_key(runner: _FoRunner, member: Any, grads: list[Any]) -> Any:
+    """Equal for two rows that one compiled step serves (``member``: unique otherwise)."""
+    has_hparams = any(
+        isinstance(x, HParams) for x in jax.tree.leaves(runner.state, is_leaf=lambda x: isinstance(x, HParams))
+    )
+    if not has_hparams:
+        return ("own", member)
+    tree = (runner.params, grads[0], runner.state)
+    avals = tuple((np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in jax.tree.leaves(tree))
+    return (jax.tree.structure(tree), avals)
+
+
 class ProgramCount:
     """XLA programs built while ``_count_programs`` was open, by jitted function name.
 
@@ -913,7 +1028,8 @@ def run_parity(
             bar.update()
 
     def optimizer_rows(spec: Any, configs: list[dict[str, Any]]) -> list[ParityRow]:
-        cache = _StepCache()  # an optimizer's rows share compiled steps
+        # an optimizer's rows run in one compiled program (closure-driven: a step each)
+        cache = _StepCache() if _is_closure(spec) else _BatchedSteps(spec, configs, steps)
         out = []
         for config in configs:
             out.append(_optimizer_row(spec, config, steps, cache, with_optax, rtol))
