@@ -40,8 +40,8 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -702,12 +702,15 @@ def _member_step(runner: Any) -> Callable:
 def _slot_key(runner: _FoRunner, member: Any, grads: list[Any]) -> Any:
     """Equal for two rows that one compiled step serves (``member``: unique otherwise)."""
     has_hparams = any(
-        isinstance(x, HParams) for x in jax.tree.leaves(runner.state, is_leaf=lambda x: isinstance(x, HParams))
+        isinstance(x, HParams)
+        for x in jax.tree.leaves(runner.state, is_leaf=lambda x: isinstance(x, HParams))
     )
     if not has_hparams:
         return ("own", member)
     tree = (runner.params, grads[0], runner.state)
-    avals = tuple((np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in jax.tree.leaves(tree))
+    avals = tuple(
+        (np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in jax.tree.leaves(tree)
+    )
     return (jax.tree.structure(tree), avals)
 
 

@@ -273,6 +273,9 @@ def test_optax_closest_constructions_are_valid_optax():
 def test_parser_has_the_parity_subcommand():
     args = build_parser().parse_args(["parity", "--quick", "--json"])
     assert args.command == "parity" and args.quick and args.json and args.func is parity.cli
+    assert args.workers is None  # run_parity's default_workers()
+    assert build_parser().parse_args(["parity", "--workers", "3"]).workers == 3
+    assert 1 <= parity.default_workers() <= 8
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
 
@@ -431,12 +434,14 @@ def test_a_failing_step_errors_its_own_row_only():
 
 
 def test_rows_are_the_same_on_one_thread_and_on_several():
-    kwargs = {"only": ["sgd", "adamax", "step_lr"], "steps": 3, "progress": False}
+    kwargs = {"only": ["sgd", "adamax", "step_lr"], "quick": True, "steps": 3, "progress": False}
     one = parity.run_parity(workers=1, **kwargs)
     three = parity.run_parity(workers=3, **kwargs)
     assert (one.workers, three.workers) == (1, 3)
     keys = ("kind", "name", "config", "rel_f64", "rel_f32", "verdict", "optax_rel_f64")
-    assert [[getattr(r, k) for k in keys] for r in one.rows] == [[getattr(r, k) for k in keys] for r in three.rows]
+    assert [[getattr(r, k) for k in keys] for r in one.rows] == [
+        [getattr(r, k) for k in keys] for r in three.rows
+    ]
     assert [r.name for r in one.rows][-1] == "StepLR" and one.ok
     # no persistent cache here: every program is compiled, and counted
     assert one.compiled > 0 and one.cache_loaded == 0
