@@ -487,14 +487,11 @@ def _closure_problem(params: Any, dtype: Any) -> dict[str, Any]:
 
 
 class _OptaxRunner:
-    """optax's side of a row: ``step_fn`` is ``(params, grads, state) -> (params, state)``.
+    """optax's side, op by op: a few dozen small steps cost less than one compilation.
 
-    ``_BatchedSteps`` jits it with the optimizer's other rows (as optax is used); on its
-    own (``_StepCache``: a closure-driven optimizer, or after a failed batch) it runs op by
-    op, as a few dozen small steps cost less than a compilation of their own. The two can
-    differ by a rounding (about 1e-16 relative: XLA may contract a multiply and an add),
-    far below the gaps this column exists to show; the verdict threshold is the float64
-    tolerance.
+    Unjitted results can differ from jitted optax by a rounding (about 1e-16 relative:
+    XLA may contract a multiply and an add), far below the gaps this column exists to
+    show; the verdict threshold is the float64 tolerance.
     """
 
     def __init__(self, tx: Any, params: Any):
@@ -554,10 +551,6 @@ class _StepCache:
         runner.step_fn = self.fns[key]
         return runner
 
-    def optax_runner(self, spec: OptimizerSpec, config: Mapping[str, Any], tx: Any, params: Any) -> Any:
-        """optax's side of a row (``tx``, built from ``config``), op by op."""
-        return _OptaxRunner(tx, params)
-
 
 class _Replay:
     """functorch_optim's side of one row, computed ahead: the state after each step.
@@ -597,38 +590,27 @@ class _BatchedSteps:
     error shows on the row that causes it.
     """
 
-    def __init__(
-        self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int, with_optax: bool = False
-    ):
+    def __init__(self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int):
         self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
-        self.with_optax = with_optax
         self._runners: dict[tuple[int, str], Any] | None = None
         self._fallback: _StepCache | None = None
         #: the (configuration index, dtype name) rows of each slot, once computed
         self.slots: list[list[tuple[int, str]]] = []
 
-    def _computed(self) -> dict[Any, Any] | None:
-        """The precomputed runners, or None once the program has failed."""
-        if self._runners is None and self._fallback is None:
+    def runner(self, spec: OptimizerSpec, config: Mapping[str, Any], params: Any) -> Any:
+        if self._fallback is not None:
+            return self._fallback.runner(spec, config, params)
+        if self._runners is None:
             try:
                 self._runners = self._compute()
             except Exception:  # attribute the failure to its row: each row on its own step
                 self._fallback = _StepCache()
-        return self._runners
-
-    def runner(self, spec: OptimizerSpec, config: Mapping[str, Any], params: Any) -> Any:
-        """functorch_optim's side of the row of ``config`` in the dtype of ``params``."""
-        runners = self._computed()
-        if runners is None:
-            return self._fallback.runner(spec, config, params)
+                return self._fallback.runner(spec, config, params)
         dtype = str(np.result_type(*jax.tree.leaves(params)))
-        return _found(runners[(self.configs.index(dict(config)), dtype)])
-
-    def optax_runner(self, spec: OptimizerSpec, config: Mapping[str, Any], tx: Any, params: Any) -> Any:
-        """optax's side of the row of ``config`` (float64), jitted with the others."""
-        runners = self._computed()
-        found = None if runners is None else runners.get(("optax", self.configs.index(dict(config))))
-        return _OptaxRunner(tx, params) if found is None else _found(found)
+        found = self._runners[(self.configs.index(dict(config)), dtype)]
+        if isinstance(found, Exception):
+            raise found
+        return found
 
     def _compute(self) -> dict[tuple[int, str], Any]:
         shapes = getattr(self.spec, "shapes", None)
@@ -647,25 +629,12 @@ class _BatchedSteps:
                 members[(i, name)] = (runner, grads)
                 slots.setdefault(_slot_key(runner, (i, name), grads), []).append((i, name))
         self.slots = list(slots.values())
-        # optax's closest constructions (float64): their numbers are constants, a slot each
-        for i, config in enumerate(self.configs if self.with_optax else ()):
-            try:
-                built = optax_closest(self.spec, config)
-                if built is None:
-                    continue
-                params, grads = _stream(self.steps, np.float64, shapes)
-                optax_runner = _OptaxRunner(built[1], params)
-            except Exception as exc:  # reported by the row
-                out[("optax", i)] = exc
-                continue
-            members[("optax", i)] = (optax_runner, grads)
-            slots[("optax", i)] = [("optax", i)]
         if not slots:
             return out
-        firsts = [_member_step(members[slot[0]][0]) for slot in slots.values()]
+        firsts = [members[slot[0]][0].tx for slot in slots.values()]
 
         def parity_steps(args):
-            return [step(p, g, s) for step, (p, g, s) in zip(firsts, args, strict=True)]
+            return [_fo_step(tx, p, g, s) for tx, (p, g, s) in zip(firsts, args, strict=True)]
 
         program = jax.jit(parity_steps)
         for j in range(max(len(slot) for slot in slots.values())):
@@ -684,19 +653,6 @@ class _BatchedSteps:
                     runner = members[m][0]
                     out[m] = _Replay(runner.params, runner.state, trajectory)
         return out
-
-
-def _found(runner: Any) -> Any:
-    if isinstance(runner, Exception):
-        raise runner
-    return runner
-
-
-def _member_step(runner: Any) -> Callable:
-    """``(params, grads, state) -> (params, state)`` of a ``_FoRunner`` or ``_OptaxRunner``."""
-    if isinstance(runner, _OptaxRunner):
-        return runner.step_fn
-    return functools.partial(_fo_step, runner.tx)
 
 
 def _slot_key(runner: _FoRunner, member: Any, grads: list[Any]) -> Any:
@@ -821,7 +777,7 @@ def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
                     spec,
                     config,
                     "float64",
-                    cache.optax_runner(spec, config, tx, params),
+                    _OptaxRunner(tx, params),
                     _TorchRunner(spec, config, params),
                     _GradFeed(grads),
                     (),
@@ -1076,7 +1032,7 @@ def run_parity(
 
     def optimizer_rows(spec: Any, configs: list[dict[str, Any]]) -> list[ParityRow]:
         # an optimizer's rows run in one compiled program (closure-driven: a step each)
-        cache = _StepCache() if _is_closure(spec) else _BatchedSteps(spec, configs, steps, with_optax)
+        cache = _StepCache() if _is_closure(spec) else _BatchedSteps(spec, configs, steps)
         out = []
         for config in configs:
             out.append(_optimizer_row(spec, config, steps, cache, with_optax, rtol))
