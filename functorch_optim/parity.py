@@ -1076,7 +1076,12 @@ def _is_closure(spec: Any) -> bool:
 
 
 def default_workers() -> int:
-    """The threads ``run_parity`` uses by default: the CPUs this process may run on, 1 to 8."""
+    """The threads ``run_parity`` uses by default: the CPUs this process may run on, 1 to 8.
+
+    Returns:
+      ``len(os.sched_getaffinity(0))`` (``os.cpu_count()`` where that is missing),
+      clamped to 1..8: more threads than cores only wait for Python's lock.
+    """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
