@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import optax
 import pytest
 
 import functorch_optim as fo
@@ -272,6 +273,9 @@ def test_optax_closest_constructions_are_valid_optax():
 def test_parser_has_the_parity_subcommand():
     args = build_parser().parse_args(["parity", "--quick", "--json"])
     assert args.command == "parity" and args.quick and args.json and args.func is parity.cli
+    assert args.workers is None  # run_parity's default_workers()
+    assert build_parser().parse_args(["parity", "--workers", "3"]).workers == 3
+    assert 1 <= parity.default_workers() <= 8
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
 
@@ -370,3 +374,76 @@ def test_torch_threads_are_restored():
     with parity._torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def _sgd_spec(name, grid, factory=fo.sgd):
+    return OptimizerSpec(name, factory, "SGD", ("momentum_buffer",), grid)
+
+
+def test_an_optimizers_rows_compile_one_program_with_a_slot_per_step():
+    # two structures (with and without a momentum buffer), two configs each: numbers are data
+    configs = [
+        {"lr": 0.1},
+        {"lr": 0.1, "momentum": 0.9},
+        {"lr": 0.01, "weight_decay": 0.05},
+        {"lr": 0.01, "momentum": 0.5, "dampening": 0.3},
+    ]
+    spec = _sgd_spec("sgd", tuple(configs))
+    batch = parity._BatchedSteps(spec, configs, 4)
+    with parity._count_programs() as programs:
+        rows = [parity._optimizer_row(spec, c, 4, batch, False, parity.DEFAULT_RTOL) for c in configs]
+    # one program for every row and both dtypes; no program per row
+    assert programs.built["jit(parity_steps)"] == 1
+    assert programs.built["jit(parity_step)"] == 0
+    assert sorted(batch.slots) == [
+        [(0, "float32"), (2, "float32")],
+        [(0, "float64"), (2, "float64")],
+        [(1, "float32"), (3, "float32")],
+        [(1, "float64"), (3, "float64")],
+    ]
+    # the same numbers as each configuration on its own
+    for row, c in zip(rows, configs, strict=True):
+        assert row.verdict == "match"
+        for dtype, rel in ((np.float64, row.rel_f64), (np.float32, row.rel_f32)):
+            params, grads = parity._stream(4, dtype)
+            assert rel == compare_with_torch("sgd", params, grads, **c).max_rel
+
+
+def _exploding_sgd(**config):
+    """SGD whose step cannot be traced when maximize=True (its init works)."""
+    tx = fo.sgd(**config)
+    if not config.get("maximize"):
+        return tx
+
+    def update(grads, state, params=None):
+        raise ValueError("boom")
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def test_a_failing_step_errors_its_own_row_only():
+    configs = [{"lr": 0.1}, {"lr": 0.1, "maximize": True}, {"lr": 0.1, "no_such_argument": 1}]
+    spec = _sgd_spec("sgd", tuple(configs), _exploding_sgd)
+    batch = parity._BatchedSteps(spec, configs, 3)
+    rows = [parity._optimizer_row(spec, c, 3, batch, False, parity.DEFAULT_RTOL) for c in configs]
+    assert [r.verdict for r in rows] == ["match", "ERROR", "ERROR"]
+    assert rows[1].error == "ValueError: boom"
+    assert "unexpected keyword argument 'no_such_argument'" in rows[2].error
+    params, grads = parity._stream(3, np.float64)
+    assert rows[0].rel_f64 == compare_with_torch("sgd", params, grads, lr=0.1).max_rel
+
+
+def test_rows_are_the_same_on_one_thread_and_on_several():
+    kwargs = {"only": ["sgd", "adamax", "step_lr"], "quick": True, "steps": 3, "progress": False}
+    one = parity.run_parity(workers=1, **kwargs)
+    three = parity.run_parity(workers=3, **kwargs)
+    assert (one.workers, three.workers) == (1, 3)
+    keys = ("kind", "name", "config", "rel_f64", "rel_f32", "verdict", "optax_rel_f64")
+    assert [[getattr(r, k) for k in keys] for r in one.rows] == [
+        [getattr(r, k) for k in keys] for r in three.rows
+    ]
+    assert [r.name for r in one.rows][-1] == "StepLR" and one.ok
+    # no persistent cache here: every program is compiled, and counted
+    assert one.compiled > 0 and one.cache_loaded == 0
+    with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
+        parity.run_parity(workers=0, **kwargs)
