@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._torch_ops import lerp_formula
+from functorch_optim._checks import tensor_lr_dtype
+from functorch_optim._torch_ops import fma, lerp_formula, rounded_product, torch_lr
 from functorch_optim._tree import opmath_dtype
 
 #: torch's constants (from Keller Jordan's Muon): coefficients, steps and eps.
@@ -110,13 +111,21 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     ct = opmath_dtype(dtype)
     lr, momentum, wd = hp["lr"], hp["momentum"], hp["weight_decay"]
     g = grad.astype(dtype).astype(ct)
-    buf = lerp_formula(buffers["momentum_buffer"].astype(ct), g, (1 - momentum).astype(ct))
-    update = lerp_formula(g, buf, momentum.astype(ct)) if static["nesterov"] else buf
+    # each lerp stored in the parameter dtype, as torch's (a bf16 buffer is rounded)
+    buf = lerp_formula(buffers["momentum_buffer"].astype(ct), g, (1 - momentum).astype(ct)).astype(dtype)
+    update = lerp_formula(g, buf.astype(ct), momentum.astype(ct)).astype(dtype) if static["nesterov"] else buf
     ortho = zeropower_via_newtonschulz(update, hp["ns_coefficients"], static["ns_steps"], hp["eps"])
-    adjusted_lr = lr * _adjusted_ratio(static["adjust_lr_fn"], param.shape)
-    p = param.astype(ct) * (1 - lr * wd).astype(ct)
-    new_param = p + (-adjusted_lr).astype(ct) * ortho.astype(ct)
-    return new_param.astype(dtype), {"momentum_buffer": buf.astype(dtype)}
+    # torch: ``adjusted_lr = lr * ratio`` and ``1 - lr * weight_decay``, in doubles, or
+    # with a tensor lr as 0-d tensor ops of its dtype (float32 for torch.tensor(0.02))
+    t_lr, c, r = torch_lr(lr, static)
+    adjusted_lr = r(t_lr * c(_adjusted_ratio(static["adjust_lr_fn"], param.shape)))
+    decay = r(1 - c(r(rounded_product(t_lr, c(wd)))))
+    # param.mul_(decay), stored (rounded) before param.add_(update, alpha=-adjusted_lr),
+    # which torch's CPU kernel computes as one fused multiply-add
+    p = rounded_product(param.astype(ct), decay).astype(dtype).astype(ct)
+    # (``alpha`` rounded to the parameter dtype first, as torch's ``add`` takes it)
+    new_param = fma((-adjusted_lr).astype(dtype).astype(ct), ortho.astype(ct), p)
+    return new_param.astype(dtype), {"momentum_buffer": buf}
 
 
 # torch's Muon keeps only ``momentum_buffer`` per parameter, no ``step``
@@ -210,6 +219,8 @@ def muon(
         "nesterov": bool(nesterov),
         "ns_steps": int(ns_steps),
         "adjust_lr_fn": adjust_lr_fn,
+        # a tensor lr's dtype (None for a number): torch's lr products are in that dtype
+        "tensor_lr": tensor_lr_dtype(lr),
     }
     hparams = {
         "lr": lr,

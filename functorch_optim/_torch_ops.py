@@ -212,6 +212,28 @@ def zero_buffers(*names: str) -> Callable[[jax.Array, Mapping[str, Any]], dict[s
     return init_leaf
 
 
+def torch_lr(lr: Any, static: Mapping[str, Any]) -> tuple[jax.Array, Cast, Callable[[jax.Array], jax.Array]]:
+    """``(lr, c, r)`` for torch's scalar arithmetic on the learning rate.
+
+    With a Python-number ``lr`` torch forms ``lr * ratio``, ``1 - lr * weight_decay``,
+    ``lr / bias_correction1`` in doubles: the hyperparameter dtype, where ``c`` and ``r``
+    change nothing. With a tensor ``lr`` (``static["tensor_lr"]``, the dtype name
+    ``_checks.tensor_lr_dtype`` recorded) each is a 0-d tensor op of that dtype: ``lr``
+    comes rounded to it (in its opmath dtype), ``c`` brings the other operand (a Python
+    double) to the opmath dtype, as torch's CPU kernels take a scalar operand, and ``r``
+    rounds a result back to the tensor's dtype. Either way torch then hands the result
+    to the parameter's op as a number (``alpha=``, ``value=``, ``mul_`` by a 0-d
+    tensor): exactly its value, which the caller casts to the parameter's opmath dtype.
+    """
+    dtype = static.get("tensor_lr") or jnp.result_type(lr)
+    c = caster(dtype)
+
+    def r(x: jax.Array) -> jax.Array:
+        return x.astype(dtype)
+
+    return c(jnp.asarray(lr).astype(dtype)), c, r
+
+
 def step_as_float(step: jax.Array, hp: Mapping[str, Any]) -> jax.Array:
     """The int32 ``step`` as the float torch uses (a double under x64)."""
     return step.astype(jnp.result_type(hp["lr"]))
