@@ -12,7 +12,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import tensor_lr_dtype
-from functorch_optim._torch_ops import fma, lerp_formula, rounded_product, torch_lr
+from functorch_optim._torch_ops import fma, lerp_formula, rounded_product, stored, torch_lr
 from functorch_optim._tree import opmath_dtype
 
 #: torch's constants (from Keller Jordan's Muon): coefficients, steps and eps.
@@ -122,7 +122,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     decay = r(1 - c(r(rounded_product(t_lr, c(wd)))))
     # param.mul_(decay), stored (rounded) before param.add_(update, alpha=-adjusted_lr),
     # which torch's CPU kernel computes as one fused multiply-add
-    p = rounded_product(param.astype(ct), decay).astype(dtype).astype(ct)
+    p = stored(param.astype(ct) * decay.astype(ct)).astype(dtype).astype(ct)
     # (``alpha`` rounded to the parameter dtype first, as torch's ``add`` takes it)
     new_param = fma((-adjusted_lr).astype(dtype).astype(ct), ortho.astype(ct), p)
     return new_param.astype(dtype), {"momentum_buffer": buf}

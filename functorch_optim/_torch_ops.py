@@ -139,6 +139,17 @@ def rounded_product(a: jax.Array, b: Any) -> jax.Array:
     return fma(a, b, jnp.zeros_like(a))
 
 
+def stored(x: jax.Array) -> jax.Array:
+    """``x`` as a torch op stores it: rounded, never contracted into what follows.
+
+    XLA on the CPU may fuse a product with a following add or subtract into one FMA
+    (one rounding where torch rounds twice). A select stops it: ``x`` where ``x == x``,
+    else NaN (the same value for every input), at the cost of a compare, where
+    ``rounded_product``'s exact FMA costs a few times the whole elementwise step.
+    """
+    return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))
+
+
 def sign(x: jax.Array) -> jax.Array:
     """torch's ``sign`` on the CPU: like ``jnp.sign``, but 0 for a NaN (``jnp.sign`` gives NaN)."""
     return jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), jnp.sign(x))
