@@ -12,7 +12,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import tensor_lr_dtype
-from functorch_optim._torch_ops import fma, lerp_formula, rounded_product, stored, torch_lr
+from functorch_optim._torch_ops import fma, lerp_formula, lr_decay_factor, stored, torch_lr
 from functorch_optim._tree import opmath_dtype
 
 #: torch's constants (from Keller Jordan's Muon): coefficients, steps and eps.
@@ -119,7 +119,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # with a tensor lr as 0-d tensor ops of its dtype (float32 for torch.tensor(0.02))
     t_lr, c, r = torch_lr(lr, static)
     adjusted_lr = r(t_lr * c(_adjusted_ratio(static["adjust_lr_fn"], param.shape)))
-    decay = r(1 - c(r(rounded_product(t_lr, c(wd)))))
+    decay = lr_decay_factor(lr, wd, static)
     # param.mul_(decay), stored (rounded) before param.add_(update, alpha=-adjusted_lr),
     # which torch's CPU kernel computes as one fused multiply-add
     p = stored(param.astype(ct) * decay.astype(ct)).astype(dtype).astype(ct)
@@ -163,8 +163,10 @@ def muon(
     :math:`0.2\sqrt{\max(A, B)}` (``"match_rms_adamw"``).
 
     Args:
-      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
-        schedule ``count -> value``.
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a schedule
+        ``count -> value``. An array stands for torch's tensor ``lr``: the adjusted lr and
+        ``1 - lr * weight_decay`` are then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(1e-3)``; static, see the parity guide).
       weight_decay: decoupled weight decay :math:`\lambda`, default 0.1.
       momentum: momentum factor :math:`\mu`, default 0.95.
       nesterov: use Nesterov momentum, default True (static).

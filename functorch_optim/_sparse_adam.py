@@ -107,8 +107,10 @@ def sparse_adam(
     increments it for an empty sparse gradient too, then skips the update).
 
     Args:
-      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
-        schedule ``count -> value``.
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a schedule
+        ``count -> value``. An array stands for torch's tensor ``lr``: the step size are
+        then formed in its dtype, as torch does (float32 for ``torch.tensor(1e-3)``;
+        static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default ``(0.9, 0.999)``.
       eps: :math:`\epsilon` added to the denominator, default 1e-8.
       maximize: maximize the objective instead of minimizing, default False (static).

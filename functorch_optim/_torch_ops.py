@@ -198,16 +198,22 @@ def decay_square(exp_avg_sq: jax.Array, grad: jax.Array, beta2: Any) -> jax.Arra
 
 
 def apply_weight_decay(
-    param: jax.Array, grad: jax.Array, lr: Any, weight_decay: Any, decoupled: bool
+    param: jax.Array,
+    grad: jax.Array,
+    lr: Any,
+    weight_decay: Any,
+    decoupled: bool,
+    static: Mapping[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)``, else
+    """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)`` (with
+    a tensor lr, ``static["tensor_lr"]``, in its dtype: ``lr_decay_factor``), else
     ``grad = grad.add(param, alpha=wd)``. Returns ``(param, grad)``."""
     dtype = param.dtype
     c = caster(dtype)
     if decoupled:
         # ``* 1`` is exact: one multiply either way, so XLA contracts it the same way into
         # what follows (an FMA), whatever the surrounding selects
-        factor = jnp.where(weight_decay != 0, 1 - lr * weight_decay, 1)
+        factor = jnp.where(weight_decay != 0, lr_decay_factor(lr, weight_decay, static or {}), 1)
         return (c(param) * c(factor)).astype(dtype), grad
     coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
     return param, jnp.where(weight_decay != 0, coupled, grad)
@@ -243,6 +249,20 @@ def torch_lr(lr: Any, static: Mapping[str, Any]) -> tuple[jax.Array, Cast, Calla
         return x.astype(dtype)
 
     return c(jnp.asarray(lr).astype(dtype)), c, r
+
+
+def lr_over(lr: Any, x: Any, static: Mapping[str, Any]) -> jax.Array:
+    """torch's ``lr / x`` for a Python double ``x`` (a bias correction): in doubles, or
+    with a tensor lr a 0-d tensor of its dtype (see ``torch_lr``)."""
+    t_lr, c, r = torch_lr(lr, static)
+    return r(t_lr / c(x))
+
+
+def lr_decay_factor(lr: Any, weight_decay: Any, static: Mapping[str, Any]) -> jax.Array:
+    """torch's ``1 - lr * weight_decay`` (decoupled decay's factor): the product rounded
+    before the subtraction, in doubles or with a tensor lr in its dtype (``torch_lr``)."""
+    t_lr, c, r = torch_lr(lr, static)
+    return r(1 - c(r(rounded_product(t_lr, c(weight_decay)))))
 
 
 def step_as_float(step: jax.Array, hp: Mapping[str, Any]) -> jax.Array:

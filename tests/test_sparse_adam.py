@@ -161,7 +161,9 @@ def test_lr_change_does_not_recompile():
 # torch's tensor lr (``lr=torch.tensor(0.01)``, float32 unless given a dtype) keeps the
 # step size ``lr * sqrt(bias_correction2) / bias_correction1`` a tensor of its dtype: a
 # float32 one rounds it to float32 even for float64 parameters (4e-10)
-TENSOR_LR_CASES = [(dtype, lr_dtype) for dtype in (np.float64, np.float32) for lr_dtype in (torch.float32, torch.float64)]
+TENSOR_LR_CASES = [
+    (dtype, lr_dtype) for dtype in (np.float64, np.float32) for lr_dtype in (torch.float32, torch.float64)
+]
 
 
 @pytest.mark.parametrize(
