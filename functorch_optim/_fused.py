@@ -666,7 +666,7 @@ def adagrad_kernel(
     the hyperparameters' dtype, as the rule computes it."""
     lr = hp["lr"]
     t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]) + one, hp)
-    clr = lr / (1 + (t - 1) * hp["lr_decay"])
+    clr = lr_over(lr, 1 + (t - 1) * hp["lr_decay"], static)
     wd = hp["weight_decay"]
     return _call(
         "fo_adagrad",

@@ -128,7 +128,17 @@ def test_meta_gradients_match_torch_differentiable(index):
     af.assert_meta_grads(NAME, META_CONFIGS, index, lr=0.05, default_dtype=torch.float32)
 
 
-FLOAT32_LR_CASES = [("adam", False), ("adam", True), ("adamw", False), ("adamw", True), ("nadam", False)]
+FLOAT32_LR_CASES = [
+    ("adam", False),
+    ("adam", True),
+    ("adamw", False),
+    ("adamw", True),
+    ("nadam", False),
+    ("radam", False),
+    ("adamax", False),
+    ("adagrad", False),
+    ("adagrad", True),
+]
 
 
 @pytest.mark.parametrize(
@@ -136,14 +146,15 @@ FLOAT32_LR_CASES = [("adam", False), ("adam", True), ("adamw", False), ("adamw",
 )
 def test_float32_tensor_lr_like_torch(name, fused):
     # torch's tensor lr (``torch.tensor(0.01)``: float32) keeps ``lr / bias_correction1``,
-    # ``1 - lr * weight_decay`` (and NAdam's ``-lr * (1 - mu) / (1 - mu_product)``) as
-    # float32 tensors, even for float64 parameters: 1e-8..4e-8 off when computed in double
+    # ``1 - lr * weight_decay`` (NAdam's ``-lr * (1 - mu) / (1 - mu_product)``, Adagrad's
+    # ``lr / (1 + (step - 1) * lr_decay)``) as float32 tensors, even for float64
+    # parameters: 1e-9..4e-8 off when computed in double (the Adam family and Adagrad)
     spec = get_spec(name)
     rng = np.random.default_rng(0)
     worst = 0.0
     for config in spec.grid[::5]:
         config = dict(config)
-        lr = config.pop("lr")
+        lr = config.pop("lr", 0.01)
         p0 = rng.standard_normal((3, 4))
         grads = [rng.standard_normal((3, 4)) for _ in range(8)]
         t = torch.nn.Parameter(torch.tensor(p0))
