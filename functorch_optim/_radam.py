@@ -110,8 +110,8 @@ def radam(
 
     Args:
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
-        schedule ``count -> value``. An array stands for torch's tensor ``lr``: ``1 - lr *
-        weight_decay`` is then formed in its dtype, as torch does (float32 for
+        schedule ``count -> value``. An array stands for torch's tensor ``lr``:
+        ``1 - lr * weight_decay`` is then formed in its dtype, as torch does (float32 for
         ``torch.tensor(1e-3)``; static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to :math:`\sqrt{v_t}`, default 1e-8.
