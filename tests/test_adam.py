@@ -139,6 +139,7 @@ FLOAT32_LR_CASES = [
     ("adagrad", False),
     ("adagrad", True),
     ("asgd", False),
+    ("adafactor", False),
 ]
 
 
@@ -149,8 +150,8 @@ def test_float32_tensor_lr_like_torch(name, fused):
     # torch's tensor lr (``torch.tensor(0.01)``: float32) keeps ``lr / bias_correction1``,
     # ``1 - lr * weight_decay`` (NAdam's ``-lr * (1 - mu) / (1 - mu_product)``, Adagrad's
     # ``lr / (1 + (step - 1) * lr_decay)``, ASGD's ``lr / ((1 + lambd * lr * step) ** alpha)``)
-    # as float32 tensors, even for float64 parameters: 1e-9..4e-8 off when computed in
-    # double (the Adam family, Adagrad, ASGD)
+    # Adafactor's ``alpha``) as float32 tensors, even for float64 parameters: 1e-9..4e-8
+    # off when computed in double (the Adam family, Adagrad, ASGD, Adafactor)
     spec = get_spec(name)
     rng = np.random.default_rng(0)
     worst = 0.0
