@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._torch_ops import lerp_formula, py_max, py_min, signed_grad
+from functorch_optim._checks import tensor_lr_dtype
+from functorch_optim._torch_ops import lerp_formula, lr_decay_factor, py_max, py_min, signed_grad, torch_lr
 from functorch_optim._tree import opmath_dtype
 
 
@@ -63,7 +64,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     alpha = py_max(eps2, rms) * rho_t
 
     # torch: ``if weight_decay != 0: param.mul_(1 - lr * weight_decay)``
-    p = jnp.where(wd != 0, p * (1 - lr * wd).astype(ct), p)
+    p = jnp.where(wd != 0, p * lr_decay_factor(lr, wd, static).astype(ct), p)
 
     w = one_minus_beta2_t.astype(ct)
     out = {"row_var": None, "col_var": None, "variance": None}
@@ -90,7 +91,16 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # Python's max: a NaN update norm gives 1 (only the NaN elements of the update
     # reach the parameter), where jnp.maximum would turn the whole tensor NaN
     denom = py_max(jnp.ones((), hdt), update_rms / (math.sqrt(param.size) * d))
-    new_param = p + (-alpha / denom).astype(ct) * update
+    coef = -alpha / denom
+    if static["tensor_lr"]:
+        # a tensor lr: ``min(lr, 1 / sqrt(t))`` is the tensor unless ``1 / sqrt(t) < lr``
+        # (compared in its dtype); then ``alpha`` and ``-alpha / denom`` are 0-d tensors
+        # of its dtype
+        t_lr, lc, lr_r = torch_lr(lr, static)
+        tensor_alpha = lr_r(lc(py_max(eps2, rms)) * t_lr)
+        tensor_coef = lr_r(-tensor_alpha / lc(denom)).astype(hdt)
+        coef = jnp.where(lc(1 / step_f**0.5) < t_lr, coef, tensor_coef)
+    new_param = p + coef.astype(ct) * update
     return new_param.astype(dtype), out
 
 
@@ -135,7 +145,9 @@ def adafactor(
     Args:
       lr: learning rate :math:`\gamma`, default 1e-2: the cap of the relative step size
         and the weight-decay factor. A number, a 0-d array, or a schedule
-        ``count -> value``.
+        ``count -> value``. An array stands for torch's tensor ``lr``: ``alpha`` and
+        ``1 - lr * weight_decay`` are then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(1e-2)``; static, see the parity guide).
       beta2_decay: :math:`\tau`, the decay exponent of :math:`\beta_2`, default -0.8.
       eps: ``(epsilon1, epsilon2)``, default ``(None, 1e-3)``. ``epsilon1 = None`` means
         the machine epsilon of each parameter's dtype; it is stored in the state as NaN
@@ -191,4 +203,6 @@ def adafactor(
         "d": d,
         "weight_decay": weight_decay,
     }
-    return make_optimizer(ADAFACTOR_ALGORITHM, hparams, {"maximize": bool(maximize)})
+    # a tensor lr's dtype (None for a number): torch's lr products are formed in it
+    static = {"maximize": bool(maximize), "tensor_lr": tensor_lr_dtype(lr)}
+    return make_optimizer(ADAFACTOR_ALGORITHM, hparams, static)

@@ -10,10 +10,16 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_eps, check_fused_flags, check_lr, check_weight_decay
+from functorch_optim._checks import (
+    check_eps,
+    check_fused_flags,
+    check_lr,
+    check_weight_decay,
+    tensor_lr_dtype,
+)
 from functorch_optim._fused import adagrad_kernel, fused_algorithm
 from functorch_optim._hyperparams import to_python
-from functorch_optim._torch_ops import op_casts, signed_grad
+from functorch_optim._torch_ops import lr_over, op_casts, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -42,7 +48,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     grad = jnp.where(wd != 0, (c(grad) + a(wd) * c(param)).astype(dtype), grad)
     # torch reads ``step`` as a Python float: the decayed rate is a double
     lr = hp["lr"]
-    clr = lr / (1 + (step.astype(lr.dtype) - 1) * hp["lr_decay"])
+    # a tensor lr: in its dtype
+    clr = lr_over(lr, 1 + (step.astype(lr.dtype) - 1) * hp["lr_decay"], static)
     # state_sum.addcmul_(grad, grad, value=1)
     new_sum = (c(buffers["sum"]) + c(grad) * c(grad)).astype(dtype)
     # std = state_sum.sqrt().add_(eps): eps outside the square root
@@ -94,8 +101,10 @@ def adagrad(
     ``eps``.
 
     Args:
-      lr: learning rate :math:`\gamma`, default 1e-2; a number, a 0-d (or 1-element)
-        array, or a schedule ``count -> value``.
+      lr: learning rate :math:`\gamma`, default 1e-2; a number, a 0-d (or 1-element) array,
+        or a schedule ``count -> value``. An array stands for torch's tensor ``lr``: the
+        decayed rate is then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(1e-2)``; static, see the parity guide).
       lr_decay: learning-rate decay :math:`\eta`, default 0.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
       initial_accumulator_value: initial value :math:`\tau` of the ``sum`` accumulator,
@@ -150,6 +159,8 @@ def adagrad(
     static = {
         "maximize": bool(maximize),
         "initial_accumulator_value": to_python(initial_accumulator_value),
+        # a tensor lr's dtype (None for a number): torch's clr is in it
+        "tensor_lr": tensor_lr_dtype(lr),
     }
     tx = make_optimizer(ADAGRAD_ALGORITHM, hparams, static)
     # torch's constructor checks these after the values, in this order

@@ -19,15 +19,19 @@ from functorch_optim._checks import (
     betas_to_scalars,
     check_fused_flags,
     is_tensor,
+    tensor_lr_dtype,
     tensor_to_scalar,
     validate_lr_eps_betas_wd,
 )
 from functorch_optim._fused import adam_kernel, fused_algorithm
 from functorch_optim._torch_ops import (
     caster,
+    lr_decay_factor,
+    lr_over,
     rdiv,
     signed_grad,
     step_as_float,
+    torch_lr,
 )
 
 # ------------------------------------------------------------------------------ Adam rule
@@ -64,7 +68,8 @@ def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> di
     if static["decoupled_weight_decay"]:
         # param.mul_(1 - lr * weight_decay), a multiply by exactly 1 without decay (as
         # apply_weight_decay: one multiply in every context, so XLA contracts it alike)
-        out["param_decay"] = c(jnp.where(wd != 0, 1 - lr * wd, 1))
+        # (with a tensor lr, ``1 - lr * weight_decay`` is a 0-d tensor of its dtype)
+        out["param_decay"] = c(jnp.where(wd != 0, lr_decay_factor(lr, wd, static), 1))
     else:
         out["weight_decay"] = c(wd)  # grad.add(param, alpha=weight_decay)
     return out
@@ -99,7 +104,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     t = step_as_float(step, hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
-    step_size = lr / bias_correction1
+    step_size = lr_over(lr, bias_correction1, static)  # a tensor lr: in its dtype
     bias_correction2_sqrt = jnp.sqrt(bias_correction2)
     second = exp_avg_sq
     if static["amsgrad"]:
@@ -128,8 +133,10 @@ def _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, s
     bias_correction1 = 1 - beta1.astype(f32) ** t
     bias_correction2 = 1 - beta2.astype(f32) ** t
     if static["tensor_lr"]:
-        # a tensor lr (float64): tensor / tensor, promoted to lr's dtype
-        step_size_neg = -(hp["lr"] / bias_correction1.astype(hp["lr"].dtype))
+        # a tensor lr: tensor / tensor, in the promoted dtype (float32 for a float32 lr)
+        t_lr = torch_lr(hp["lr"], static)[0]
+        dt = jnp.promote_types(t_lr.dtype, f32)
+        step_size_neg = -(t_lr.astype(dt) / bias_correction1.astype(dt))
     else:
         # a Python float lr over a float32 tensor: float32
         step_size_neg = -rdiv(hp["lr"], bias_correction1)
@@ -176,7 +183,7 @@ def build_adam(
     decoupled_weight_decay: bool,
 ) -> optax.GradientTransformationExtraArgs:
     """The Adam rule with torch ``Adam.__init__``'s checks, in torch's order."""
-    tensor_lr = is_tensor(lr)
+    tensor_lr = tensor_lr_dtype(lr)
     if tensor_lr:
         if foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
@@ -189,8 +196,9 @@ def build_adam(
         "maximize": bool(maximize),
         "decoupled_weight_decay": bool(decoupled_weight_decay),
         # torch's differentiable branch computes the step's scalars as tensors, in float32
-        # (the step's dtype) or, with a tensor lr, in lr's
+        # (the step's dtype) or, with a tensor lr, in the promoted dtype
         "differentiable": bool(differentiable),
+        # a tensor lr's dtype (None for a number): torch's lr products are in that dtype
         "tensor_lr": tensor_lr,
     }
     # value checks first (make_optimizer runs them), then the type checks, as torch orders them
@@ -252,7 +260,9 @@ def adam(
 
     Args:
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
-        schedule ``count -> value``.
+        schedule ``count -> value``. An array stands for torch's tensor ``lr``: ``lr /
+        bias_correction1`` and ``1 - lr * weight_decay`` are then formed in its dtype, as
+        torch does (float32 for ``torch.tensor(1e-3)``; static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999): both Python floats or both
         1-element arrays (torch's rule).
       eps: added to the denominator, default 1e-8.

@@ -8,11 +8,17 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import betas_to_scalars, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._checks import (
+    betas_to_scalars,
+    tensor_lr_dtype,
+    tensor_to_scalar,
+    validate_lr_eps_betas_wd,
+)
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
     lerp,
+    lr_over,
     signed_grad,
     step_as_float,
     zero_buffers,
@@ -31,7 +37,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     floor = (c(jnp.abs(grad)) + c(eps)).astype(dtype)
     exp_inf = jnp.maximum(decayed, floor)
     bias_correction = 1 - beta1 ** step_as_float(step, hp)
-    clr = lr / bias_correction
+    clr = lr_over(lr, bias_correction, static)  # a tensor lr: in its dtype
     new_param = (c(param) + c(-clr) * c(exp_avg) / c(exp_inf)).astype(dtype)
     return new_param, {"exp_avg": exp_avg, "exp_inf": exp_inf}
 
@@ -74,7 +80,9 @@ def adamax(
 
     Args:
       lr: learning rate :math:`\gamma`, default 2e-3; a number, a 1-element array, or a
-        schedule ``count -> value``.
+        schedule ``count -> value``. An array stands for torch's tensor ``lr``:
+        ``lr / bias_correction`` is then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(2e-3)``; static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to :math:`|g_t|` inside the maximum, default 1e-8.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
@@ -114,6 +122,8 @@ def adamax(
       Mirrors ``torch.optim.Adamax`` (``_single_tensor_adamax``).
     """
     del foreach, differentiable, capturable
+    # a tensor lr's dtype (None for a number): torch's lr / bias_correction is in it
+    static = {"maximize": bool(maximize), "tensor_lr": tensor_lr_dtype(lr)}
     lr = tensor_to_scalar("lr", lr)
     hparams = {"lr": lr, "betas": betas_to_scalars(betas), "eps": eps, "weight_decay": weight_decay}
-    return make_optimizer(ADAMAX_ALGORITHM, hparams, {"maximize": bool(maximize)})
+    return make_optimizer(ADAMAX_ALGORITHM, hparams, static)

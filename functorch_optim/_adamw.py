@@ -54,7 +54,9 @@ def adamw(
 
     Args:
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
-        schedule ``count -> value``.
+        schedule ``count -> value``. An array stands for torch's tensor ``lr``: ``lr /
+        bias_correction1`` and ``1 - lr * weight_decay`` are then formed in its dtype, as
+        torch does (float32 for ``torch.tensor(1e-3)``; static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999): both Python floats or both
         1-element arrays (torch's rule).
       eps: added to the denominator, default 1e-8.

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import check_lr, check_weight_decay
-from functorch_optim._torch_ops import op_casts, signed_grad
+from functorch_optim._checks import check_lr, check_weight_decay, tensor_lr_dtype
+from functorch_optim._torch_ops import op_casts, rounded_product, signed_grad, torch_lr
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype
 #: (``_get_scalar_dtype()``), float32 unless ``torch.set_default_dtype`` changed it,
@@ -53,7 +53,16 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     new_ax = jnp.where(mu != 1, averaged, new_param)
     # torch computes both from ``step`` as a Python float, then stores them as float32
     step_f = step.astype(hdt)
-    new_eta = (lr / ((1 + lambd * lr * step_f) ** alpha)).astype(SCALAR_DTYPE)
+    if static["tensor_lr"]:
+        # a tensor lr: ``lr / ((1 + lambd * lr * step) ** alpha)`` as 0-d tensor ops of its
+        # dtype; torch's ``pow`` by a Python number is C's double ``pow``, then rounded
+        t_lr, lc, lr_r = torch_lr(lr, static)
+        base = lr_r(rounded_product(lr_r(rounded_product(t_lr, lc(lambd))), lc(step_f)))
+        base = lr_r(1 + base)
+        powered = lr_r(lc(base.astype(hdt) ** alpha))
+        new_eta = lr_r(t_lr / powered).astype(SCALAR_DTYPE)
+    else:
+        new_eta = (lr / ((1 + lambd * lr * step_f) ** alpha)).astype(SCALAR_DTYPE)
     new_mu = (1 / jnp.maximum(jnp.ones((), hdt), step_f - t0)).astype(SCALAR_DTYPE)
     return new_param, {"eta": new_eta, "mu": new_mu, "ax": new_ax}
 
@@ -98,7 +107,9 @@ def asgd(
       lr: learning rate :math:`\gamma`, default 1e-2; a number, a 0-d (or 1-element)
         array, or a schedule ``count -> value``. A parameter's first step uses the
         ``lr`` of that moment; later steps use the stored ``eta``, recomputed from
-        ``lr`` at the end of each step.
+        ``lr`` at the end of each step. An array stands for torch's tensor ``lr``: the
+        new ``eta`` is then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(1e-2)``; static, see the parity guide).
       lambd: decay term :math:`\lambda`, default 1e-4.
       alpha: power :math:`\alpha` for the ``eta`` update, default 0.75.
       t0: the step at which averaging starts, default 1e6.
@@ -149,4 +160,6 @@ def asgd(
     """
     del foreach, differentiable, capturable
     hparams = {"lr": lr, "lambd": lambd, "alpha": alpha, "t0": t0, "weight_decay": weight_decay}
-    return make_optimizer(ASGD_ALGORITHM, hparams, {"maximize": bool(maximize)})
+    # a tensor lr's dtype (None for a number): torch's new eta is formed in it
+    static = {"maximize": bool(maximize), "tensor_lr": tensor_lr_dtype(lr)}
+    return make_optimizer(ASGD_ALGORITHM, hparams, static)

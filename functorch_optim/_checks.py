@@ -67,6 +67,25 @@ def is_tensor(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray)
 
 
+def tensor_lr_dtype(lr: Any) -> str | None:
+    """The static record of a tensor ``lr``: the name of the dtype torch computes its
+    products in, or None for a number or a schedule.
+
+    torch keeps a tensor ``lr`` as a tensor: ``lr * ratio``, ``1 - lr * weight_decay``
+    and ``lr / bias_correction1`` are 0-d tensor ops of its dtype (float32 for
+    ``torch.tensor(0.001)``), where a Python-float ``lr`` computes them in doubles. An
+    array ``lr`` here stands for torch's tensor: its floating dtype (the canonical one,
+    float32 where x64 is off), or torch's default float32 for an integer or boolean one
+    (torch's promotion of an integer tensor times a float).
+    """
+    if not is_tensor(lr):
+        return None
+    dtype = jnp.dtype(lr.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        dtype = jnp.dtype(jnp.float32)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
+
+
 def tensor_to_scalar(name: str, x: Any) -> Any:
     """torch's ``_to_scalar``: a 1-element array becomes 0-d; any other size is rejected.
 

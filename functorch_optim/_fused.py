@@ -50,7 +50,7 @@ except ImportError:  # not POSIX: no lock (a build still commits by atomic renam
     fcntl = None
 
 from functorch_optim._base import Algorithm, rule_step
-from functorch_optim._torch_ops import caster, step_as_float
+from functorch_optim._torch_ops import caster, lr_over, step_as_float
 
 SOURCE = Path(__file__).with_name("_fused_kernels.cc")
 _TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam", "fo_adagrad": "FoAdagrad"}
@@ -638,7 +638,7 @@ def adam_kernel(
         hp["one_minus_beta2"],
         1 / c(jnp.sqrt(bias_correction2)),
         hp["eps"],
-        -(lr / bias_correction1),
+        -lr_over(lr, bias_correction1, static),
     ]
     flags = [jnp.stack([leaf[4] for leaf in leaves]), hp["use_weight_decay"], hp["lerp_small_weight"]]
     return _call(
@@ -666,7 +666,7 @@ def adagrad_kernel(
     the hyperparameters' dtype, as the rule computes it."""
     lr = hp["lr"]
     t = step_as_float(jnp.stack([leaf[3] for leaf in leaves]) + one, hp)
-    clr = lr / (1 + (t - 1) * hp["lr_decay"])
+    clr = lr_over(lr, 1 + (t - 1) * hp["lr_decay"], static)
     wd = hp["weight_decay"]
     return _call(
         "fo_adagrad",

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._torch_ops import lerp_formula
+from functorch_optim._checks import tensor_lr_dtype
+from functorch_optim._torch_ops import fma, lerp_formula, lr_decay_factor, stored, torch_lr
 from functorch_optim._tree import opmath_dtype
 
 #: torch's constants (from Keller Jordan's Muon): coefficients, steps and eps.
@@ -110,13 +111,21 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     ct = opmath_dtype(dtype)
     lr, momentum, wd = hp["lr"], hp["momentum"], hp["weight_decay"]
     g = grad.astype(dtype).astype(ct)
-    buf = lerp_formula(buffers["momentum_buffer"].astype(ct), g, (1 - momentum).astype(ct))
-    update = lerp_formula(g, buf, momentum.astype(ct)) if static["nesterov"] else buf
+    # each lerp stored in the parameter dtype, as torch's (a bf16 buffer is rounded)
+    buf = lerp_formula(buffers["momentum_buffer"].astype(ct), g, (1 - momentum).astype(ct)).astype(dtype)
+    update = lerp_formula(g, buf.astype(ct), momentum.astype(ct)).astype(dtype) if static["nesterov"] else buf
     ortho = zeropower_via_newtonschulz(update, hp["ns_coefficients"], static["ns_steps"], hp["eps"])
-    adjusted_lr = lr * _adjusted_ratio(static["adjust_lr_fn"], param.shape)
-    p = param.astype(ct) * (1 - lr * wd).astype(ct)
-    new_param = p + (-adjusted_lr).astype(ct) * ortho.astype(ct)
-    return new_param.astype(dtype), {"momentum_buffer": buf.astype(dtype)}
+    # torch: ``adjusted_lr = lr * ratio`` and ``1 - lr * weight_decay``, in doubles, or
+    # with a tensor lr as 0-d tensor ops of its dtype (float32 for torch.tensor(0.02))
+    t_lr, c, r = torch_lr(lr, static)
+    adjusted_lr = r(t_lr * c(_adjusted_ratio(static["adjust_lr_fn"], param.shape)))
+    decay = lr_decay_factor(lr, wd, static)
+    # param.mul_(decay), stored (rounded) before param.add_(update, alpha=-adjusted_lr),
+    # which torch's CPU kernel computes as one fused multiply-add
+    p = stored(param.astype(ct) * decay.astype(ct)).astype(dtype).astype(ct)
+    # (``alpha`` rounded to the parameter dtype first, as torch's ``add`` takes it)
+    new_param = fma((-adjusted_lr).astype(dtype).astype(ct), ortho.astype(ct), p)
+    return new_param.astype(dtype), {"momentum_buffer": buf}
 
 
 # torch's Muon keeps only ``momentum_buffer`` per parameter, no ``step``
@@ -154,8 +163,10 @@ def muon(
     :math:`0.2\sqrt{\max(A, B)}` (``"match_rms_adamw"``).
 
     Args:
-      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
-        schedule ``count -> value``.
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a schedule
+        ``count -> value``. An array stands for torch's tensor ``lr``: the adjusted lr and
+        ``1 - lr * weight_decay`` are then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(1e-3)``; static, see the parity guide).
       weight_decay: decoupled weight decay :math:`\lambda`, default 0.1.
       momentum: momentum factor :math:`\mu`, default 0.95.
       nesterov: use Nesterov momentum, default True (static).
@@ -210,6 +221,8 @@ def muon(
         "nesterov": bool(nesterov),
         "ns_steps": int(ns_steps),
         "adjust_lr_fn": adjust_lr_fn,
+        # a tensor lr's dtype (None for a number): torch's lr products are in that dtype
+        "tensor_lr": tensor_lr_dtype(lr),
     }
     hparams = {
         "lr": lr,

@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import betas_to_scalars, is_tensor, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._checks import (
+    betas_to_scalars,
+    tensor_lr_dtype,
+    tensor_to_scalar,
+    validate_lr_eps_betas_wd,
+)
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
@@ -20,6 +25,7 @@ from functorch_optim._torch_ops import (
     rounded_product,
     signed_grad,
     step_as_float,
+    torch_lr,
 )
 
 #: torch keeps ``mu_product`` as a 0-d tensor of its *default* dtype, float32 unless
@@ -49,7 +55,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     grad = signed_grad(grad, dtype, static["maximize"])
     t = step_as_float(step, hp)
     bias_correction2 = 1 - beta2**t
-    param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])
+    param, grad = apply_weight_decay(
+        param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"], static
+    )
     # the momentum cache mu_t and mu_{t+1} (torch: Python doubles)
     mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
     mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * momentum_decay)))
@@ -62,6 +70,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     denom = jnp.sqrt(c(denom)).astype(dtype)
     denom = (c(denom) + c(eps)).astype(dtype)
     hd = t.dtype
+    # ``-lr * (1.0 - mu)`` and ``-lr * mu_next``: doubles, or with a tensor lr 0-d tensors
+    # of its dtype
+    t_lr, lc, lr_r = torch_lr(lr, static)
+    grad_num = lr_r(-t_lr * lc(1.0 - mu))
+    avg_num = lr_r(-t_lr * lc(mu_next))
     if static["differentiable"]:
         # torch's differentiable path keeps the tensors: ``1.0 - mu_product``,
         # ``mu_product * mu_next`` and the two coefficients (a Python double divided by a
@@ -71,9 +84,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         mu_product = rounded_product(buffers["mu_product"], mu.astype(mp_dtype))
         mu_product_next = rounded_product(mu_product, mu_next.astype(mp_dtype))
         if static["tensor_lr"]:
-            # a tensor lr (float64): tensor / tensor, promoted to float64
-            coef_grad = -lr * (1.0 - mu) / (1.0 - mu_product).astype(hd)
-            coef_avg = (-lr * mu_next) / (1.0 - mu_product_next).astype(hd)
+            # a tensor lr: tensor / tensor, in the promoted dtype (float32 for a float32 lr)
+            dt = jnp.promote_types(grad_num.dtype, mp_dtype)
+            coef_grad = grad_num.astype(dt) / (1.0 - mu_product).astype(dt)
+            coef_avg = avg_num.astype(dt) / (1.0 - mu_product_next).astype(dt)
         else:
             # a Python float lr: a number over a float32 tensor, in float32
             coef_grad = rdiv(-lr * (1.0 - mu), 1.0 - mu_product).astype(hd)
@@ -81,8 +95,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     else:
         # ``_get_value(mu_product)``: the float32 value, then double arithmetic
         mu_product_next = mu_product.astype(hd) * mu_next
-        coef_grad = -lr * (1.0 - mu) / (1.0 - mu_product.astype(hd))
-        coef_avg = (-lr * mu_next) / (1.0 - mu_product_next)
+        coef_grad = lr_r(grad_num / lc(1.0 - mu_product.astype(hd)))
+        coef_avg = lr_r(avg_num / lc(1.0 - mu_product_next))
     new_param = (c(param) + c(coef_grad) * c(grad) / c(denom)).astype(dtype)
     new_param = (c(new_param) + c(coef_avg) * c(exp_avg) / c(denom)).astype(dtype)
     return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "mu_product": mu_product}
@@ -132,7 +146,9 @@ def nadam(
 
     Args:
       lr: learning rate :math:`\gamma`, default 2e-3; a number, a 1-element array, or a
-        schedule ``count -> value``.
+        schedule ``count -> value``. An array stands for torch's tensor ``lr``: the step
+        coefficients and ``1 - lr * weight_decay`` are then formed in its dtype, as torch
+        does (float32 for ``torch.tensor(2e-3)``; static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to the denominator, default 1e-8.
       weight_decay: :math:`\lambda`, default 0 (an L2 penalty, or decoupled decay).
@@ -183,7 +199,7 @@ def nadam(
       ``torch.optim.NAdam`` (``_single_tensor_nadam``).
     """
     del foreach, capturable
-    tensor_lr = is_tensor(lr)
+    tensor_lr = tensor_lr_dtype(lr)
     lr = tensor_to_scalar("lr", lr)
     hparams = {
         "lr": lr,
@@ -196,7 +212,8 @@ def nadam(
         "maximize": bool(maximize),
         "decoupled_weight_decay": bool(decoupled_weight_decay),
         "differentiable": bool(differentiable),
-        # torch's differentiable path computes in the dtype of lr: a tensor's or float32
+        # a tensor lr's dtype (None for a number): torch's lr products are in that dtype
+        # (and its differentiable path in the dtype of lr: a tensor's, or float32)
         "tensor_lr": tensor_lr,
     }
     return make_optimizer(NADAM_ALGORITHM, hparams, static)

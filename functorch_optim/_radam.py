@@ -8,7 +8,12 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import betas_to_scalars, tensor_to_scalar, validate_lr_eps_betas_wd
+from functorch_optim._checks import (
+    betas_to_scalars,
+    tensor_lr_dtype,
+    tensor_to_scalar,
+    validate_lr_eps_betas_wd,
+)
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
@@ -26,7 +31,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
     grad = signed_grad(grad, dtype, static["maximize"])
     t = step_as_float(step, hp)
-    param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"])
+    param, grad = apply_weight_decay(
+        param, grad, lr, hp["weight_decay"], static["decoupled_weight_decay"], static
+    )
     exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
     exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
     bias_correction1 = 1 - beta1**t
@@ -103,7 +110,9 @@ def radam(
 
     Args:
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 1-element array, or a
-        schedule ``count -> value``.
+        schedule ``count -> value``. An array stands for torch's tensor ``lr``:
+        ``1 - lr * weight_decay`` is then formed in its dtype, as torch does (float32 for
+        ``torch.tensor(1e-3)``; static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to :math:`\sqrt{v_t}`, default 1e-8.
       weight_decay: :math:`\lambda`, default 0 (an L2 penalty, or decoupled decay).
@@ -147,7 +156,12 @@ def radam(
       Mirrors ``torch.optim.RAdam`` (``_single_tensor_radam``).
     """
     del foreach, capturable, differentiable
+    # a tensor lr's dtype (None for a number): torch's 1 - lr * weight_decay is in it
+    static = {
+        "maximize": bool(maximize),
+        "decoupled_weight_decay": bool(decoupled_weight_decay),
+        "tensor_lr": tensor_lr_dtype(lr),
+    }
     lr = tensor_to_scalar("lr", lr)
     hparams = {"lr": lr, "betas": betas_to_scalars(betas), "eps": eps, "weight_decay": weight_decay}
-    static = {"maximize": bool(maximize), "decoupled_weight_decay": bool(decoupled_weight_decay)}
     return make_optimizer(RADAM_ALGORITHM, hparams, static)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
-from functorch_optim._checks import betas_to_scalars, check_betas
-from functorch_optim._torch_ops import signed_grad, zero_buffers
+from functorch_optim._checks import betas_to_scalars, check_betas, tensor_lr_dtype
+from functorch_optim._torch_ops import signed_grad, stored, torch_lr, zero_buffers
 from functorch_optim._tree import opmath_dtype
 
 
@@ -40,8 +40,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     old_m = buffers["exp_avg"].astype(ct)
     old_v = buffers["exp_avg_sq"].astype(ct)
     # torch: (grad_values - old) * (1 - beta), then old + that (on the mask only)
-    upd_m = (g - old_m) * (1 - beta1).astype(ct)
-    upd_v = (g * g - old_v) * (1 - beta2).astype(ct)
+    # each op rounded, as torch's (``stored``: no product contracted into an FMA)
+    upd_m = stored((g - old_m) * (1 - beta1).astype(ct))
+    upd_v = stored((stored(g * g) - old_v) * (1 - beta2).astype(ct))
     new_m = old_m + upd_m
     new_v = old_v + upd_v
     out = {
@@ -62,8 +63,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     step_f = step.astype(hdt)
     bias_correction1 = 1 - beta1**step_f
     bias_correction2 = 1 - beta2**step_f
-    step_size = lr * jnp.sqrt(bias_correction2) / bias_correction1
-    delta = (-step_size).astype(ct) * (new_m / denom)
+    # torch: ``lr * math.sqrt(bias_correction2) / bias_correction1`` in doubles, or with
+    # a tensor lr as 0-d tensor ops of its dtype (float32 for torch.tensor(0.01))
+    t_lr, c, r = torch_lr(lr, static)
+    step_size = r(c(r(t_lr * c(jnp.sqrt(bias_correction2)))) / c(bias_correction1))
+    delta = stored((-step_size).astype(ct) * (new_m / denom))
     new_param = jnp.where(mask, param.astype(ct) + delta, param.astype(ct))
     return new_param.astype(dtype), out
 
@@ -103,8 +107,10 @@ def sparse_adam(
     increments it for an empty sparse gradient too, then skips the update).
 
     Args:
-      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
-        schedule ``count -> value``.
+      lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a schedule
+        ``count -> value``. An array stands for torch's tensor ``lr``: the step size are
+        then formed in its dtype, as torch does (float32 for ``torch.tensor(1e-3)``;
+        static, see the parity guide).
       betas: :math:`(\beta_1, \beta_2)`, default ``(0.9, 0.999)``.
       eps: :math:`\epsilon` added to the denominator, default 1e-8.
       maximize: maximize the objective instead of minimizing, default False (static).
@@ -140,4 +146,6 @@ def sparse_adam(
       ``torch.optim.SparseAdam`` (``torch.optim._functional.sparse_adam``).
     """
     hparams = {"lr": lr, "betas": betas_to_scalars(betas), "eps": eps}
-    return make_optimizer(SPARSE_ADAM_ALGORITHM, hparams, {"maximize": bool(maximize)})
+    # a tensor lr's dtype (None for a number): torch's step size is in that dtype
+    static = {"maximize": bool(maximize), "tensor_lr": tensor_lr_dtype(lr)}
+    return make_optimizer(SPARSE_ADAM_ALGORITHM, hparams, static)

@@ -139,6 +139,17 @@ def rounded_product(a: jax.Array, b: Any) -> jax.Array:
     return fma(a, b, jnp.zeros_like(a))
 
 
+def stored(x: jax.Array) -> jax.Array:
+    """``x`` as a torch op stores it: rounded, never contracted into what follows.
+
+    XLA on the CPU may fuse a product with a following add or subtract into one FMA
+    (one rounding where torch rounds twice). A select stops it: ``x`` where ``x == x``,
+    else NaN (the same value for every input), at the cost of a compare, where
+    ``rounded_product``'s exact FMA costs a few times the whole elementwise step.
+    """
+    return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))
+
+
 def sign(x: jax.Array) -> jax.Array:
     """torch's ``sign`` on the CPU: like ``jnp.sign``, but 0 for a NaN (``jnp.sign`` gives NaN)."""
     return jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), jnp.sign(x))
@@ -187,16 +198,22 @@ def decay_square(exp_avg_sq: jax.Array, grad: jax.Array, beta2: Any) -> jax.Arra
 
 
 def apply_weight_decay(
-    param: jax.Array, grad: jax.Array, lr: Any, weight_decay: Any, decoupled: bool
+    param: jax.Array,
+    grad: jax.Array,
+    lr: Any,
+    weight_decay: Any,
+    decoupled: bool,
+    static: Mapping[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)``, else
+    """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)`` (with
+    a tensor lr, ``static["tensor_lr"]``, in its dtype: ``lr_decay_factor``), else
     ``grad = grad.add(param, alpha=wd)``. Returns ``(param, grad)``."""
     dtype = param.dtype
     c = caster(dtype)
     if decoupled:
         # ``* 1`` is exact: one multiply either way, so XLA contracts it the same way into
         # what follows (an FMA), whatever the surrounding selects
-        factor = jnp.where(weight_decay != 0, 1 - lr * weight_decay, 1)
+        factor = jnp.where(weight_decay != 0, lr_decay_factor(lr, weight_decay, static or {}), 1)
         return (c(param) * c(factor)).astype(dtype), grad
     coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
     return param, jnp.where(weight_decay != 0, coupled, grad)
@@ -210,6 +227,42 @@ def zero_buffers(*names: str) -> Callable[[jax.Array, Mapping[str, Any]], dict[s
         return {name: jnp.zeros_like(param) for name in names}
 
     return init_leaf
+
+
+def torch_lr(lr: Any, static: Mapping[str, Any]) -> tuple[jax.Array, Cast, Callable[[jax.Array], jax.Array]]:
+    """``(lr, c, r)`` for torch's scalar arithmetic on the learning rate.
+
+    With a Python-number ``lr`` torch forms ``lr * ratio``, ``1 - lr * weight_decay``,
+    ``lr / bias_correction1`` in doubles: the hyperparameter dtype, where ``c`` and ``r``
+    change nothing. With a tensor ``lr`` (``static["tensor_lr"]``, the dtype name
+    ``_checks.tensor_lr_dtype`` recorded) each is a 0-d tensor op of that dtype: ``lr``
+    comes rounded to it (in its opmath dtype), ``c`` brings the other operand (a Python
+    double) to the opmath dtype, as torch's CPU kernels take a scalar operand, and ``r``
+    rounds a result back to the tensor's dtype. Either way torch then hands the result
+    to the parameter's op as a number (``alpha=``, ``value=``, ``mul_`` by a 0-d
+    tensor): exactly its value, which the caller casts to the parameter's opmath dtype.
+    """
+    dtype = static.get("tensor_lr") or jnp.result_type(lr)
+    c = caster(dtype)
+
+    def r(x: jax.Array) -> jax.Array:
+        return x.astype(dtype)
+
+    return c(jnp.asarray(lr).astype(dtype)), c, r
+
+
+def lr_over(lr: Any, x: Any, static: Mapping[str, Any]) -> jax.Array:
+    """torch's ``lr / x`` for a Python double ``x`` (a bias correction): in doubles, or
+    with a tensor lr a 0-d tensor of its dtype (see ``torch_lr``)."""
+    t_lr, c, r = torch_lr(lr, static)
+    return r(t_lr / c(x))
+
+
+def lr_decay_factor(lr: Any, weight_decay: Any, static: Mapping[str, Any]) -> jax.Array:
+    """torch's ``1 - lr * weight_decay`` (decoupled decay's factor): the product rounded
+    before the subtraction, in doubles or with a tensor lr in its dtype (``torch_lr``)."""
+    t_lr, c, r = torch_lr(lr, static)
+    return r(1 - c(r(rounded_product(t_lr, c(weight_decay)))))
 
 
 def step_as_float(step: jax.Array, hp: Mapping[str, Any]) -> jax.Array:

@@ -128,6 +128,54 @@ def test_meta_gradients_match_torch_differentiable(index):
     af.assert_meta_grads(NAME, META_CONFIGS, index, lr=0.05, default_dtype=torch.float32)
 
 
+FLOAT32_LR_CASES = [
+    ("adam", False),
+    ("adam", True),
+    ("adamw", False),
+    ("adamw", True),
+    ("nadam", False),
+    ("radam", False),
+    ("adamax", False),
+    ("adagrad", False),
+    ("adagrad", True),
+    ("asgd", False),
+    ("adafactor", False),
+]
+
+
+@pytest.mark.parametrize(
+    "name,fused", FLOAT32_LR_CASES, ids=[f"{n}-fused" if f else n for n, f in FLOAT32_LR_CASES]
+)
+def test_float32_tensor_lr_like_torch(name, fused):
+    # torch's tensor lr (``torch.tensor(0.01)``: float32) keeps ``lr / bias_correction1``,
+    # ``1 - lr * weight_decay`` (NAdam's ``-lr * (1 - mu) / (1 - mu_product)``, Adagrad's
+    # ``lr / (1 + (step - 1) * lr_decay)``, ASGD's ``lr / ((1 + lambd * lr * step) ** alpha)``)
+    # Adafactor's ``alpha``) as float32 tensors, even for float64 parameters: 1e-9..4e-8
+    # off when computed in double (the Adam family, Adagrad, ASGD, Adafactor)
+    spec = get_spec(name)
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for config in spec.grid[::5]:
+        config = dict(config)
+        lr = config.pop("lr", 0.01)
+        p0 = rng.standard_normal((3, 4))
+        grads = [rng.standard_normal((3, 4)) for _ in range(8)]
+        t = torch.nn.Parameter(torch.tensor(p0))
+        t_lr = torch.tensor(lr, dtype=torch.float32)
+        flags = {"fused": True} if fused else {}
+        opt = getattr(torch.optim, spec.torch_name)([t], lr=t_lr, foreach=False, **config)
+        tx = spec.factory(lr=jnp.asarray(t_lr.numpy()), **flags, **config)
+        params = {"w": jnp.asarray(p0)}
+        state = tx.init(params)
+        step = jax.jit(functools.partial(fo.step, tx))
+        for g in grads:
+            t.grad = torch.tensor(g)
+            opt.step()
+            params, state = step(params, {"w": jnp.asarray(g)}, state)
+        worst = max(worst, rel_err(params["w"], t.detach().numpy()))
+    assert worst <= 1e-15, worst
+
+
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
 @pytest.mark.parametrize("name", ["adam", "adamw", "nadam"])
 def test_differentiable_step_scalars_like_torch(name, tensor_lr):

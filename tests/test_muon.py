@@ -163,3 +163,37 @@ def test_lr_change_does_not_recompile():
         expected, _ = run_torch(lambda ps, cfg=cfg: torch.optim.Muon(ps, **cfg), np_params, [np_grad])
         assert rel_err(p, expected) <= 1e-12
     assert rel_err(p1, p2) > 1e-3
+
+
+# torch's tensor lr (``lr=torch.tensor(0.02)``, float32 unless given a dtype) keeps the
+# adjusted lr ``lr * ratio`` and the decay factor ``1 - lr * weight_decay`` as tensors of
+# its dtype; a float32 one rounds them to float32 even for float64 parameters (3e-7)
+TENSOR_LR_CASES = [
+    (dtype, lr_dtype, adjust)
+    for dtype in (np.float64, np.float32)
+    for lr_dtype in (torch.float32, torch.float64)
+    for adjust in (None, "match_rms_adamw")
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,lr_dtype,adjust_lr_fn",
+    TENSOR_LR_CASES,
+    ids=[f"{np.dtype(d).name}-lr-{str(t).split('.')[1]}-{a}" for d, t, a in TENSOR_LR_CASES],
+)
+def test_tensor_lr_like_torch(dtype, lr_dtype, adjust_lr_fn):
+    params, grads = _problem(dtype)
+    grads = grads[:8]
+    cfg = {"weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn}
+    t_lr = torch.tensor(0.02, dtype=lr_dtype)
+    t_params, t_bufs = run_torch(
+        lambda ps: torch.optim.Muon(ps, lr=t_lr, **cfg), params, grads, ("momentum_buffer",)
+    )
+    tx = fo.muon(lr=jnp.asarray(t_lr.numpy()), **cfg)
+    p = to_jax(params)
+    state = tx.init(p)
+    for g in grads:
+        p, state = STEP(tx, p, to_jax(g), state)
+    assert rel_err(p, t_params) == 0
+    assert rel_err(state.momentum_buffer, t_bufs["momentum_buffer"]) == 0
+    assert all(x.dtype == dtype for x in jax.tree.leaves(p))

@@ -156,3 +156,32 @@ def test_lr_change_does_not_recompile():
     d1 = jax.tree.map(lambda a, b: a - b, p1, params)
     d2 = jax.tree.map(lambda a, b: a - b, p2, params)
     assert rel_err(jax.tree.map(lambda x: 10 * x, d1), d2) <= 1e-10
+
+
+# torch's tensor lr (``lr=torch.tensor(0.01)``, float32 unless given a dtype) keeps the
+# step size ``lr * sqrt(bias_correction2) / bias_correction1`` a tensor of its dtype: a
+# float32 one rounds it to float32 even for float64 parameters (4e-10)
+TENSOR_LR_CASES = [
+    (dtype, lr_dtype) for dtype in (np.float64, np.float32) for lr_dtype in (torch.float32, torch.float64)
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,lr_dtype",
+    TENSOR_LR_CASES,
+    ids=[f"{np.dtype(d).name}-lr-{str(t).split('.')[1]}" for d, t in TENSOR_LR_CASES],
+)
+def test_tensor_lr_like_torch(dtype, lr_dtype):
+    params, grads = _problem(dtype)
+    grads = grads[:12]
+    t_lr = torch.tensor(0.01, dtype=lr_dtype)
+    t_params, t_bufs, _ = _run_torch({"lr": t_lr}, params, grads)
+    tx = fo.sparse_adam(lr=jnp.asarray(t_lr.numpy()))
+    p = to_jax(params)
+    state = tx.init(p)
+    for g in grads:
+        p, state = STEP(tx, p, to_jax(g), state)
+    assert rel_err(p, t_params) == 0
+    for name in BUFFERS:
+        assert rel_err(state.buffers[name], t_bufs[name]) == 0, name
+    assert all(x.dtype == dtype for x in jax.tree.leaves(p))

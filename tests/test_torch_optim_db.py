@@ -142,14 +142,9 @@ def inapplicable_error(case: ErrorCase) -> str | None:
     return None
 
 
-_TENSOR_LR_PRODUCT = "with a tensor lr torch computes {} in float32"
-
 #: Configurations the library does not match yet, (optimizer, desc, dtype) -> why. Each is a
 #: strict xfail: remove its entry once it passes.
-PENDING_CONFIGS: dict[tuple[str, str, str], str] = {
-    ("Muon", "Tensor lr", "float64"): _TENSOR_LR_PRODUCT.format("the adjusted lr"),
-    ("SparseAdam", "Tensor lr", "float64"): _TENSOR_LR_PRODUCT.format("the step size"),
-}
+PENDING_CONFIGS: dict[tuple[str, str, str], str] = {}
 
 #: Error inputs the library does not match yet, (optimizer, desc) -> why (strict xfails, as above).
 PENDING_ERRORS: dict[tuple[str, str], str] = {}
