@@ -107,6 +107,8 @@ SGD_ALGORITHM = Algorithm(
     torch_step=None,
     prepare=_prepare,
     advances=_advances,
+    # only the momentum buffer's first step reads the counter
+    reads_step=lambda static: static["has_momentum"],
 )
 
 
