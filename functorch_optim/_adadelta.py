@@ -73,6 +73,7 @@ ADADELTA_ALGORITHM = Algorithm(
     validate=_validate,
     init_leaf=zero_buffers("square_avg", "acc_delta"),
     step_leaf=_step_leaf,
+    reads_step=False,
 )
 
 

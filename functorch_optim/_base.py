@@ -22,12 +22,14 @@ Semantics shared by all algorithms:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _STAGED
 
 from functorch_optim._checks import squeeze_lr
 from functorch_optim._hyperparams import HParams, Validator, as_hparam, check_number, has_tracer, to_python
@@ -123,6 +125,11 @@ class Algorithm:
         counters advance by is 0 where not); default None, always (``step`` counts
         gradients). SGD with a buffer counts only the steps taken with momentum != 0
         (torch's buffer exists after the first of them).
+      reads_step: whether ``step_leaf`` reads ``step`` (a bool, or ``static -> bool``);
+        default True. Where it does not and every step advances the counters, each
+        counter advances by the constant 1, one add per parameter (a rule that reads
+        ``step`` gets the runtime 1 of ``_runtime_one``). Only the compiled step's
+        structure depends on it, never a value.
     """
 
     name: str
@@ -135,6 +142,7 @@ class Algorithm:
     fused_step: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]] | None = None
     fused_window: Callable[..., list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]] | None = None
     advances: Callable[[Mapping[str, Any], Mapping[str, Any]], Any] | None = None
+    reads_step: bool | Callable[[Mapping[str, Any]], bool] = True
 
 
 def make_optimizer(
@@ -235,12 +243,19 @@ def make_optimizer(
 
         return hparams_of
 
+    def advances_always(hp):
+        return algorithm.advances is None or algorithm.advances(hp, static) is True
+
     def counter_one(state, hp):
         # what the counters advance by: 1, or 0 on a step ``algorithm.advances`` excludes
         one = _runtime_one(state.count)
-        if algorithm.advances is None:
+        if advances_always(hp):
             return one
         return jnp.where(algorithm.advances(hp, static), one, jnp.zeros_like(one))
+
+    # the rule reads no counter: each one advances by the constant 1, one add (the runtime
+    # 1 of ``_runtime_one`` only keeps a rule that reads ``step`` from copying the counters)
+    constant_counter = not _reads_step(algorithm, static)
 
     def current(state):
         # the values this step uses: the state's, with the injected ones replaced
@@ -290,7 +305,8 @@ def make_optimizer(
         if algorithm.fused_step is not None:
             outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
         else:
-            outs = [rule_step(algorithm, leaves[i], hparams_of, static, one) for i in stepping]
+            rule_one = 1 if constant_counter and advances_always(hp) else one
+            outs = [rule_step(algorithm, leaves[i], hparams_of, static, rule_one) for i in stepping]
         results = dict(zip(stepping, outs))
         # a None gradient: nothing moves
         new = [results.get(i, (leaf[0], olds[i])) for i, leaf in enumerate(leaves)]
@@ -336,11 +352,51 @@ def rule_step(
 ) -> tuple[jax.Array, dict[str, Any]]:
     """One parameter's step by ``algorithm.step_leaf``: ``leaf`` is ``(param, grad,
     buffers, step, grad_mask flag or None)`` as ``fused_step`` gets it; the counter
-    advances by ``one``, and the mask keeps everything (counter included) where it is off."""
+    advances by ``one``, and the mask keeps everything (counter included) where it is off.
+
+    Inside ``jit`` the rule is traced once per parameter shape and dtype, not once per
+    parameter: it is called as a nested ``jax.jit`` (``_staged_rule``), which a step over
+    1000 equal leaves traces and lowers once and calls 1000 times; XLA inlines the calls
+    before it optimizes, so the compiled step, and every bit it computes, is the same.
+    """
     param, grad, buffers, step, active = leaf
-    new_step = step + one
-    new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hparams_of(param.dtype), static)
+    # ``one`` may be the Python int 1 (``make_optimizer``'s constant counter increment)
+    const = one if isinstance(one, int) else None
+    args = (param, grad, buffers, step, hparams_of(param.dtype), None if const is not None else one, active)
+    key = _static_key(static) if _all_staged(args) else None
+    if key is not None:
+        return _staged_rule(algorithm, key, const, *args)
+    return _rule(algorithm, static, const, *args)
+
+
+def _rule(algorithm: Algorithm, static, const, param, grad, buffers, step, hp, one, active):
+    new_step = step + (const if one is None else one)
+    new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
     return masked(active, new_param, {"step": new_step, **new}, param, {"step": step, **buffers})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _staged_rule(algorithm: Algorithm, static_key: tuple, const: int | None, *args: Any):
+    return _rule(algorithm, dict(static_key), const, *args)
+
+
+def _static_key(static: Mapping[str, Any]) -> tuple | None:
+    """``static`` as a hashable key for ``_staged_rule``'s cache; None where a value is
+    not hashable (the rule is then traced inline, as outside ``jit``)."""
+    key = tuple(sorted(static.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _all_staged(args: Any) -> bool:
+    """Whether every array of ``args`` is a value being staged into a ``jit`` (and nothing
+    else: no transformation's tracer, no concrete array, no Python number). Only then is
+    the nested ``jit`` the same computation: outside ``jit`` the rule runs op by op, and a
+    concrete value is computed at trace time, where a nested ``jit`` would compile it."""
+    return all(isinstance(x, _STAGED) for x in jax.tree.leaves(args))
 
 
 def masked(
@@ -353,6 +409,11 @@ def masked(
         return new_param, dict(new)
     where = lambda a, b: None if b is None else jnp.where(active, a, b)
     return where(new_param, param), {n: where(v, old[n]) for n, v in new.items()}
+
+
+def _reads_step(algorithm: Algorithm, static: Mapping[str, Any]) -> bool:
+    reads = algorithm.reads_step
+    return bool(reads(static) if callable(reads) else reads)
 
 
 def _runtime_one(count: jax.Array) -> jax.Array:

@@ -569,6 +569,19 @@ def accumulate_contenders(
     return out
 
 
+#: The compile section's default-argument rows (fused=False, the jitted rule): name ->
+#: (functorch_optim's optimizer, optax's closest construction).
+DEFAULT_COMPILE_PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    "sgd default": (lambda: fo.sgd(lr=LR, fused=False), lambda: optax.sgd(LR)),
+    "adamw default": (
+        lambda: fo.adamw(lr=ADAM_LR, fused=False),
+        lambda: optax.adamw(ADAM_LR, weight_decay=1e-2),
+    ),
+    "adagrad default": (lambda: fo.adagrad(lr=ADAGRAD_LR, fused=False), optax_adagrad),
+    "rmsprop default": (lambda: fo.rmsprop(lr=1e-2), lambda: optax.rmsprop(1e-2, decay=0.99, eps=1e-8)),
+}
+
+
 def _compile_seconds(fn: Callable, *args: Any) -> float:
     t0 = time.perf_counter()
     jax.jit(fn, donate_argnums=(0, 2), keep_unused=True).lower(*args).compile()
@@ -598,6 +611,10 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
         candidates["fo adam"] = (fo_adam(), fo_step_fn)
         candidates["fo adam fused"] = (fo_adam(fused=True), fo_step_fn)
         candidates["optax adam"] = (optax.adam(ADAM_LR), optax_step_fn)
+        # default arguments (besides lr), each against optax's closest construction
+        for name, (fo_tx, optax_tx) in DEFAULT_COMPILE_PAIRS.items():
+            candidates[f"fo {name}"] = (fo_tx(), fo_step_fn)
+            candidates[f"optax {name}"] = (optax_tx(), optax_step_fn)
         row: dict[str, Any] = {"leaves": n_leaves, "leaf_size": leaf_size, "seconds": {}}
         for name, (tx, make) in candidates.items():
             row["seconds"][name] = _compile_seconds(make(tx), params, grads, tx.init(params))
@@ -617,6 +634,7 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
                 s, "fo grad_accumulate fused", "optax MultiSteps"
             ),
             "fo adam/optax adam": _ratio(s, "fo adam", "optax adam"),
+            **{f"fo {k}/optax {k}": _ratio(s, f"fo {k}", f"optax {k}") for k in DEFAULT_COMPILE_PAIRS},
             "fo sgd flat/optax sgd": _ratio(s, "fo sgd flat", "optax sgd"),
             "fo sgd fused/optax sgd": _ratio(s, "fo sgd fused", "optax sgd"),
             "fo adam flat/optax adam": _ratio(s, "fo adam flat", "optax adam"),
@@ -728,6 +746,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             ("3. compile SGD step / optax", "flat", "fo sgd flat", "optax sgd"),
             ("3. compile Adam step / optax", "tree", "fo adam", "optax adam"),
             ("3. compile Adam step / optax", "flat", "fo adam flat", "optax adam"),
+            *(
+                (f"3. compile {k} step / optax", "tree", f"fo {k}", f"optax {k}")
+                for k in DEFAULT_COMPILE_PAIRS
+            ),
             ("3. compile grad_accumulate / MultiSteps", "tree", "fo grad_accumulate", "optax MultiSteps"),
             (
                 "3. compile grad_accumulate / MultiSteps",

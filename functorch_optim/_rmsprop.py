@@ -106,7 +106,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, out
 
 
-RMSPROP_ALGORITHM = Algorithm(name="RMSprop", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+RMSPROP_ALGORITHM = Algorithm(
+    name="RMSprop", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, reads_step=False
+)
 
 
 def rmsprop(

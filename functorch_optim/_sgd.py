@@ -99,6 +99,11 @@ def _advances(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Any:
     return hp["momentum"] != 0 if static["has_momentum"] else True
 
 
+def _reads_step(static: Mapping[str, Any]) -> bool:
+    # only the momentum buffer's first step reads the counter
+    return static["has_momentum"]
+
+
 SGD_ALGORITHM = Algorithm(
     name="SGD",
     validate=_validate,
@@ -107,6 +112,7 @@ SGD_ALGORITHM = Algorithm(
     torch_step=None,
     prepare=_prepare,
     advances=_advances,
+    reads_step=_reads_step,
 )
 
 
