@@ -26,6 +26,8 @@ from functorch_optim._checks import (
 from functorch_optim._fused import adam_kernel, fused_algorithm
 from functorch_optim._torch_ops import (
     caster,
+    fma,
+    lerp_fma,
     lr_decay_factor,
     lr_over,
     rdiv,
@@ -99,6 +101,12 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     lr, (beta1, beta2) = hp["lr"], hp["betas"]
     if static["differentiable"]:
+        # torch's lerp_ and addcmul_ are FMAs on the CPU; whether XLA contracts the
+        # expressions above depends on the fusions around them (this branch's differ, and
+        # so does the CPU: 1 ulp on AVX-512 machines), so here each is an exact fma
+        exp_avg = lerp_fma(start, end, weight).astype(dtype)
+        exp_avg_sq = fma(hp["one_minus_beta2"] * c(grad), c(grad), c(decayed_sq)).astype(dtype)
+        out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         return _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, static, out)
     # torch: scalars from ``step`` as a Python float, i.e. in double
     t = step_as_float(step, hp)

@@ -21,7 +21,15 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
-from tests.helpers import TREE_SHAPES, grad_stream, make_tree, rel_err, run_torch
+from tests.helpers import (
+    FLOAT32_SQRT_RTOL,
+    TREE_SHAPES,
+    grad_stream,
+    make_tree,
+    rel_err,
+    run_torch,
+    torch_float32_sqrt_is_exact,
+)
 
 STEPS = 50
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
@@ -415,7 +423,10 @@ def assert_meta_grads(
     if lr_grad:
         err = max(err, abs(jg_lr - tg_lr) / abs(tg_lr))
         assert abs(tg_lr) > 0
-    assert err <= 1e-10, (name, config, err, jg_lr, tg_lr)
+    # torch's float32 step scalars hold a float32 sqrt, 1 ulp off on some CPUs
+    f32_scalars = default_dtype == torch.float32 and name in ("adam", "adamw")
+    tol = 1e-10 if torch_float32_sqrt_is_exact() or not f32_scalars else FLOAT32_SQRT_RTOL
+    assert err <= tol, (name, config, err, jg_lr, tg_lr)
     assert max(np.max(np.abs(g)) for g in tg_p) > 0 and np.isfinite(jg_lr) and jg_lr != 0
     return err
 

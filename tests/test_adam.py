@@ -13,7 +13,13 @@ import torch
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
 from tests import adam_family as af
-from tests.helpers import leaf_buffers, numpy_per_leaf, rel_err
+from tests.helpers import (
+    FLOAT32_SQRT_RTOL,
+    leaf_buffers,
+    numpy_per_leaf,
+    rel_err,
+    torch_float32_sqrt_is_exact,
+)
 
 NAME = "adam"
 GRID = get_spec(NAME).grid
@@ -173,7 +179,10 @@ def test_float32_tensor_lr_like_torch(name, fused):
             opt.step()
             params, state = step(params, {"w": jnp.asarray(g)}, state)
         worst = max(worst, rel_err(params["w"], t.detach().numpy()))
-    assert worst <= 1e-15, worst
+    # Adam/AdamW's float32 scalars hold torch's float32 sqrt (bias_correction2.sqrt()),
+    # 1 ulp off on some CPUs (tests.helpers.torch_float32_sqrt_is_exact); NAdam's none
+    exact = torch_float32_sqrt_is_exact() or name == "nadam"
+    assert worst <= (1e-15 if exact else FLOAT32_SQRT_RTOL), worst
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
@@ -203,4 +212,7 @@ def test_differentiable_step_scalars_like_torch(name, tensor_lr):
             opt.step()
             params, state = step(params, {"w": jnp.asarray(g)}, state)
         worst = max(worst, rel_err(params["w"], t.detach().numpy()))
-    assert worst <= 1e-15, worst
+    # Adam/AdamW's float32 scalars hold torch's float32 sqrt (bias_correction2.sqrt()),
+    # 1 ulp off on some CPUs (tests.helpers.torch_float32_sqrt_is_exact); NAdam's none
+    exact = torch_float32_sqrt_is_exact() or name == "nadam"
+    assert worst <= (1e-15 if exact else FLOAT32_SQRT_RTOL), worst
