@@ -19,7 +19,12 @@
 // the call that closes it reads the accumulator and the last gradient, writes the
 // window's mean (or sum, or weighted mean) back and steps on it, in the same pass.
 //
-// Built on first use by functorch_optim/_fused.py against ``jax.ffi.include_dir()``.
+// Built with the package (setup.py, against the build-time jaxlib's ``jax.ffi.include_dir()``),
+// for any CPU of the architecture: on x86-64 the element loops are compiled three times
+// (x86-64-v4 = AVX-512, x86-64-v3 = AVX2 + FMA, and the baseline) and the loader picks the
+// best the CPU runs (GCC/Clang function multiversioning, ``FO_CLONES``). ``std::fma`` is
+// exact in every clone (an instruction, or the C library's correctly rounded ``fma``), and
+// ``-ffp-contract=off`` holds for all of them, so every clone gives the same bits.
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +41,15 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if !defined(FO_CLONES) && defined(__x86_64__) && defined(__ELF__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef FO_CLONES
+#define FO_CLONES  // one build for the target's baseline (aarch64: NEON and FMA); tests set it
+#endif
 
 // Elements per work item: big enough that scheduling costs nothing, small enough to
 // balance the threads.
@@ -125,7 +139,7 @@ inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, const Win
 // (``where(fresh, g, acc + g)``, weighted ``where(fresh, 0, acc) + g * w``; without a
 // gradient ``where(fresh, 0, acc)``).
 template <typename T>
-void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh,
+FO_CLONES void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh,
              const WindowScalars<T>& w) {
   if (g == nullptr) {
     if (fresh) std::fill(acc + lo, acc + hi, T(0));
@@ -147,7 +161,7 @@ void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, b
 // scalars: [-lr, momentum, 1 - dampening, weight_decay]
 // flags:   [active, weight_decay != 0, step == 1, momentum != 0]
 template <typename T, bool kWd, bool kUse, bool kWindow, bool kHasG, bool kMean>
-void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
+FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
              T* __restrict acc, T neg_lr, T mom, T damp1, T wd, T sign, const WindowScalars<T>& w, bool first,
              bool nesterov) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -173,7 +187,7 @@ struct AdamScalars {
 };
 
 template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean>
-void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
+FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
               T* __restrict v, T* __restrict vmax, T* __restrict acc, const AdamScalars<T> c,
               const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -202,7 +216,7 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
 // scalars: [-clr = -lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
 // flags:   [active, weight_decay != 0]
 template <typename T, bool kWd, bool kWindow, bool kHasG, bool kMean>
-void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
+FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
                  T* __restrict acc, T neg_clr, T wd, T eps, T sign, const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
