@@ -48,10 +48,21 @@ def mlp_params(width: int, rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
+def _lead(v: jax.Array, x: jax.Array) -> jax.Array:
+    """``v`` with leading unit axes up to ``x``'s rank: an explicit broadcast (the test
+    suite runs with ``jax_numpy_rank_promotion="raise"``)."""
+    return v.reshape((1,) * (x.ndim - v.ndim) + v.shape)
+
+
+def _affine(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    y = x @ w
+    return y + _lead(b, y)
+
+
 def mlp_loss(params: dict[str, Any], x: jax.Array, y: jax.Array) -> jax.Array:
     names = sorted(params)
     for i, name in enumerate(names):
-        x = x @ params[name]["w"] + params[name]["b"]
+        x = _affine(x, params[name]["w"], params[name]["b"])
         if i + 1 < len(names):
             x = jnp.tanh(x)
     return jnp.mean((x - y) ** 2)
@@ -93,23 +104,24 @@ def transformer_params(d: int, vocab: int, seq: int, rng: np.random.Generator) -
 def _layer_norm(x, g, b):
     mean = jnp.mean(x, -1, keepdims=True)
     var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * _lead(g, x) + _lead(b, x)
 
 
 def transformer_loss(params: dict[str, Any], tokens: jax.Array, heads: int) -> jax.Array:
-    x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[1] - 1]
+    x = params["embed"][tokens[:, :-1]]
+    x = x + _lead(params["pos"][: tokens.shape[1] - 1], x)
     batch, seq, d = x.shape
     causal = jnp.tril(jnp.ones((seq, seq), bool))
     for name in sorted(params["layers"]):
         p = params["layers"][name]
-        h = _layer_norm(x, p["ln1_g"], p["ln1_b"]) @ p["qkv_w"] + p["qkv_b"]
+        h = _affine(_layer_norm(x, p["ln1_g"], p["ln1_b"]), p["qkv_w"], p["qkv_b"])
         q, k, v = (t.reshape(batch, seq, heads, d // heads) for t in jnp.split(h, 3, axis=-1))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
-        attn = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-        x = x + jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, seq, d) @ p["out_w"] + p["out_b"]
-        h = jax.nn.gelu(_layer_norm(x, p["ln2_g"], p["ln2_b"]) @ p["fc_w"] + p["fc_b"], approximate=False)
-        x = x + h @ p["proj_w"] + p["proj_b"]
-    logits = _layer_norm(x, params["lnf_g"], params["lnf_b"]) @ params["head_w"] + params["head_b"]
+        attn = jax.nn.softmax(jnp.where(_lead(causal, scores), scores, -1e9), axis=-1)
+        x = x + _affine(jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, seq, d), p["out_w"], p["out_b"])
+        h = jax.nn.gelu(_affine(_layer_norm(x, p["ln2_g"], p["ln2_b"]), p["fc_w"], p["fc_b"]), approximate=False)
+        x = x + _affine(h, p["proj_w"], p["proj_b"])
+    logits = _affine(_layer_norm(x, params["lnf_g"], params["lnf_b"]), params["head_w"], params["head_b"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -218,10 +230,10 @@ def _torch_contenders(torch: TorchSide | None, kind, params, heads, batch, log) 
         return []
     t = torch.torch
     if kind == "mlp":
-        x, y = (t.as_tensor(np.asarray(a)) for a in batch)
+        x, y = (t.as_tensor(np.array(a)) for a in batch)  # a writable copy
         forward = lambda model: t.mean((model(x) - y) ** 2)
     else:
-        tokens = t.as_tensor(np.asarray(batch[0]), dtype=t.long)
+        tokens = t.as_tensor(np.array(batch[0]), dtype=t.long)
         forward = lambda model: model(tokens)
     out = []
     flavours = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
