@@ -114,7 +114,9 @@ inline T Maximum(T a, T b) {
 // by the reciprocal; 1 / the weight sum for the weighted mean; 1 for the sum), and the
 // weight this call's gradient is added in with (reduction "weighted" only).
 
-// A window's scalars of one parameter.
+// A window's scalars of one parameter. ``weight`` is 1 unless ``weighted``: the step's
+// ``fma(g, weight, acc)`` is then ``acc + g`` exactly (one rounding of the same sum), so
+// the loops need no branch on ``weighted`` (a branch kept GCC from vectorizing them).
 template <typename T>
 struct WindowScalars {
   T scale, weight;
@@ -129,7 +131,7 @@ template <typename T, bool kWindow, bool kHasG, bool kMean>
 inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, const WindowScalars<T>& w) {
   if (!kWindow) return g[i];
   T a = acc[i];
-  if (kHasG) a = w.weighted ? std::fma(g[i], w.weight, a) : a + g[i];
+  if (kHasG) a = std::fma(g[i], w.weight, a);  // acc + g exactly where not weighted (weight 1)
   if (kMean) a = a * w.scale;
   acc[i] = a;
   return a;
@@ -186,7 +188,9 @@ struct AdamScalars {
   bool small;
 };
 
-template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean>
+// ``kSmall`` (``|w| < 0.5``, torch's lerp form) is a template flag, not a branch in the
+// loop: with it in the loop GCC kept a branch per element and did not vectorize.
+template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean, bool kSmall>
 FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
               T* __restrict v, T* __restrict vmax, T* __restrict acc, const AdamScalars<T> c,
               const WindowScalars<T>& w) {
@@ -196,7 +200,7 @@ FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __rest
     if (kCoupled) gi = std::fma(c.wd, pi, gi);
     const T mi = m[i];
     const T diff = gi - mi;
-    const T nm = c.small ? std::fma(c.w, diff, mi) : std::fma(-diff, c.w1, gi);
+    const T nm = kSmall ? std::fma(c.w, diff, mi) : std::fma(-diff, c.w1, gi);
     m[i] = nm;
     const T nv = std::fma(v[i], c.b2, c.omb2 * gi * gi);
     v[i] = nv;
@@ -258,7 +262,8 @@ struct Leaves {
   const int32_t* window_flags(int64_t i) const { return flag_row(i + 1) - 4; }
   WindowScalars<T> window_scalars(int64_t i) const {
     if (!window) return {T(1), T(1), false};
-    return {scalar_row(i + 1)[-2], scalar_row(i + 1)[-1], window_flags(i)[3] != 0};
+    const bool weighted = window_flags(i)[3] != 0;
+    return {scalar_row(i + 1)[-2], weighted ? scalar_row(i + 1)[-1] : T(1), weighted};
   }
 };
 
@@ -400,11 +405,11 @@ void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool dec
                            maximize ? T(-1) : T(1), bool(f[2])};
     WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
-          [&](auto kDecay, auto kCoupled, auto kAms) {
-            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean>(
+          [&](auto kDecay, auto kCoupled, auto kAms, auto kSmall) {
+            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean, kSmall>(
                 lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i), x.buf(2, i), x.acc(i), c, w);
           },
-          decoupled && f[1], !decoupled && f[1], x.buffers == 3);
+          decoupled && f[1], !decoupled && f[1], x.buffers == 3, c.small);
     });
   };
   ForEachItem(pool, x, step);
