@@ -367,12 +367,29 @@ def kernel_leaf(param: jax.Array) -> bool:
     return param.dtype in _KERNEL_DTYPES and param.size > 0 and not _explicitly_sharded(param)
 
 
-def _batches(leaves: list[Leaf]) -> list[list[int]]:
-    """The kernel leaves' indices, one list per call: by dtype, at most
-    ``_LEAVES_PER_CALL`` each."""
+#: ``fused=None``'s per-parameter rule: a parameter takes the kernel only if it has at
+#: least this many elements (``auto_kernel_leaf``); smaller ones run the jitted rule, in
+#: the same step (the two give the same bits, so mixing them is exact). See
+#: docs/guide/performance.md for the measurements behind it.
+AUTO_MIN_SIZE = 4096
+
+
+def auto_kernel_leaf(param: jax.Array) -> bool:
+    """Whether the default (``fused=None``) updates ``param`` in the kernel (on the CPU): a
+    kernel leaf (``kernel_leaf``) with at least ``AUTO_MIN_SIZE`` elements."""
+    return kernel_leaf(param) and param.size >= AUTO_MIN_SIZE
+
+
+def _takes_kernel(auto: bool) -> Callable[[jax.Array], bool]:
+    return auto_kernel_leaf if auto else kernel_leaf
+
+
+def _batches(leaves: list[Leaf], takes: Callable[[jax.Array], bool] = kernel_leaf) -> list[list[int]]:
+    """The indices of the leaves that ``takes`` the kernel, one list per call: by dtype, at
+    most ``_LEAVES_PER_CALL`` each."""
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if kernel_leaf(leaf[0]):
+        if takes(leaf[0]):
             groups.setdefault(leaf[0].dtype, []).append(i)
     return [v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)]
 
@@ -398,11 +415,12 @@ class FusedStep:
         # load_kernels registers the targets (also in a process that unpickled this step);
         # without the library every parameter takes the rule
         loaded = _kernels_apply(self.auto)
+        takes = _takes_kernel(self.auto)
         out: list[Any] = [None] * len(leaves)
         for i, leaf in enumerate(leaves):
-            if not (loaded and kernel_leaf(leaf[0])):
+            if not (loaded and takes(leaf[0])):
                 out[i] = rule_step(algorithm, leaf, hparams_of, static, one)
-        for indices in _batches(leaves) if loaded else []:
+        for indices in _batches(leaves, takes) if loaded else []:
             group = [
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
@@ -429,9 +447,11 @@ class FusedWindow:
 
     def ready(self, params: list[jax.Array]) -> bool:
         """Whether this can take a call over ``params``: the kernels apply and every
-        non-empty parameter is a kernel leaf (otherwise grad_accumulate runs the jitted
-        path)."""
-        return _kernels_apply(self.auto) and all(kernel_leaf(p) or not p.size for p in params)
+        non-empty parameter takes the kernel (``kernel_leaf``; for the default,
+        ``auto_kernel_leaf``: one call covers every parameter, so a tree with a small one
+        runs the jitted path); otherwise grad_accumulate runs the jitted path."""
+        takes = _takes_kernel(self.auto)
+        return _kernels_apply(self.auto) and all(takes(p) or not p.size for p in params)
 
     def __call__(
         self, leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array

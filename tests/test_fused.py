@@ -442,6 +442,77 @@ def _kernel_calls(tx, params) -> int:
     return len(re.findall(r"custom-call\(", fn.lower(params, params, tx.init(params)).compile().as_text()))
 
 
+@pytest.fixture
+def small_leaves_take_the_kernel(monkeypatch):
+    # the default's kernel path over the small parameters of these tests (the default
+    # leaves parameters under AUTO_MIN_SIZE elements to the jitted rule)
+    monkeypatch.setattr(_fused, "AUTO_MIN_SIZE", 1)
+
+
+def _kernel_operands(tx, params) -> list[str]:
+    """The shapes of the parameters the compiled step hands to kernel calls."""
+    fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    text = fn.lower(params, params, tx.init(params)).compile().as_text()
+    shapes = []
+    for line in text.splitlines():
+        if "custom-call(" in line and "custom_call_target=" in line:
+            outputs = line.split("= (", 1)[1].split(")", 1)[0]
+            shapes += [t.strip() for t in outputs.split(", ") if t.strip().startswith("f")]
+    return shapes
+
+
+def test_the_default_takes_the_kernel_for_large_parameters_and_the_rule_for_small():
+    n = _fused.AUTO_MIN_SIZE
+    params = {
+        "big": jnp.linspace(-1.0, 1.0, 3 * n, dtype=jnp.float32).reshape(3, n),
+        "at": jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32),
+        "under": jnp.linspace(-1.0, 1.0, n - 1, dtype=jnp.float32),
+        "bias": jnp.ones((7,), jnp.float32),
+        "half": jnp.ones((2 * n,), jnp.bfloat16),
+        "empty": jnp.zeros((0,), jnp.float32),
+    }
+    assert [k for k, v in params.items() if _fused.auto_kernel_leaf(v)] == ["big", "at"]
+    assert [k for k, v in params.items() if _fused.kernel_leaf(v)] == ["big", "at", "under", "bias"]
+    for factory in (fo.sgd, fo.adamw, fo.adagrad):
+        kw = {"momentum": 0.9} if factory is fo.sgd else {}
+        # the parameters' outputs of the kernel call: exactly the two large float32 ones
+        # (and their buffers, of the same shapes)
+        shapes = set(_kernel_operands(factory(lr=0.1, **kw), params))
+        assert shapes == {f"f32[3,{n}]{{1,0}}", f"f32[{n}]{{0}}"}, shapes
+        shapes = set(_kernel_operands(factory(lr=0.1, fused=True, **kw), params))
+        assert shapes == {f"f32[3,{n}]{{1,0}}", f"f32[{n}]{{0}}", f"f32[{n - 1}]{{0}}", "f32[7]{0}"}, shapes
+        assert _kernel_operands(factory(lr=0.1, fused=False, **kw), params) == []
+        # the mixed step equals the rule bit for bit
+        grads = {k: jnp.cos(v * 3).astype(v.dtype) for k, v in params.items()}
+        out = []
+        for fused in (None, False):
+            tx = factory(lr=0.1, fused=fused, **kw)
+            p, s = params, tx.init(params)
+            for _ in range(3):
+                p, s = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))(p, grads, s)
+            out.append((p, s))
+        _assert_same_bits(out[0], out[1])
+
+
+def test_grad_accumulate_over_the_default_takes_the_window_kernel_only_if_every_parameter_is_large():
+    n = _fused.AUTO_MIN_SIZE
+
+    def compiled(tx, params):
+        fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+        return fn.lower(params, params, tx.init(params)).compile().as_text()
+
+    def window_kernel(text):  # one kernel call and no loop around it
+        return len(re.findall(r"custom-call\(", text)) == 1 and not re.search(r" while\(", text)
+
+    large = {"a": jnp.ones((n,), jnp.float32), "b": jnp.ones((2, n), jnp.float32)}
+    assert window_kernel(compiled(fo.grad_accumulate(fo.adamw(lr=0.1), every=2), large))
+    mixed = {**large, "bias": jnp.ones((3,), jnp.float32)}
+    text = compiled(fo.grad_accumulate(fo.adamw(lr=0.1), every=2), mixed)
+    # the jitted window (its loop), in which the inner step takes the kernel for the large two
+    assert re.search(r" while\(", text) and _kernel_operands(fo.adamw(lr=0.1), mixed)
+    assert window_kernel(compiled(fo.grad_accumulate(fo.adamw(lr=0.1, fused=True), every=2), mixed))
+
+
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
 def test_the_default_takes_the_kernel_and_fused_false_the_rule(name, factory, config):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
@@ -459,7 +530,7 @@ def _unrolled_loss(tx, params, steps=3):
 
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
-def test_grad_and_jvp_through_default_steps_differentiate_the_rule(name, factory, config):
+def test_grad_and_jvp_through_default_steps_differentiate_the_rule(name, factory, config, small_leaves_take_the_kernel):
     # the kernel has no derivative: a custom JVP runs the jitted rule's
     params = {"w": jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64), "b": jnp.full((3,), 0.3, jnp.float64)}
     tangents = jax.tree.map(jnp.cos, params)
@@ -474,7 +545,7 @@ def test_grad_and_jvp_through_default_steps_differentiate_the_rule(name, factory
 
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
-def test_vmap_over_default_states_equals_the_rule(name, factory, config):
+def test_vmap_over_default_states_equals_the_rule(name, factory, config, small_leaves_take_the_kernel):
     params = {"w": jnp.stack([jnp.linspace(-1.0, 1.0, 5), jnp.linspace(0.5, 2.0, 5)]), "b": jnp.ones((2, 3))}
     out = []
     for tx in (factory(**config), factory(**config, fused=False)):
@@ -486,7 +557,7 @@ def test_vmap_over_default_states_equals_the_rule(name, factory, config):
     _assert_same_bits(out[0], out[1])
 
 
-def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differentiates():
+def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differentiates(small_leaves_take_the_kernel):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
     tx = fo.grad_accumulate(fo.adamw(lr=0.1), every=3)
     assert _kernel_calls(tx, params) == 1
