@@ -508,7 +508,9 @@ def grad_accumulate(
                 return inner_step(params, reduced, inner, **kwargs)
             return _step(tx, params, reduced, inner, **kwargs)
 
-        window = window_step if window_step is not None and window_step.ready(jax.tree.leaves(params)) else None
+        window = (
+            window_step if window_step is not None and window_step.ready(jax.tree.leaves(params)) else None
+        )
         carry = (params, state.inner_state)
         (params, inner), new_state = run(call, grads, state, params, carry, step, window)
         return params, new_state(inner)

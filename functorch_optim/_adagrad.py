@@ -107,7 +107,9 @@ def adagrad(
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; every step is differentiable.
       fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
-        float32/float64 parameters not split by an explicit-sharding mesh, one CPU
+        float32/float64 parameters of at least 4096 elements
+        (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
+        explicit-sharding mesh, one CPU
         device: with several, automatic sharding could split them), as torch
         picks its fastest exact path by default; ``False`` always runs the jitted rule,
         ``True`` also where several CPU devices exist. The kernel reads every input once and writes

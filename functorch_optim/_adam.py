@@ -266,7 +266,9 @@ def adam(
       differentiable: torch's differentiable path's float32 step scalars (see Note;
         static). With it the default (``fused=None``) runs that jitted rule.
       fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
-        float32/float64 parameters not split by an explicit-sharding mesh, one CPU
+        float32/float64 parameters of at least 4096 elements
+        (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
+        explicit-sharding mesh, one CPU
         device: with several, automatic sharding could split them), as torch
         picks its fastest exact path by default; ``False`` always runs the jitted rule,
         ``True`` also where several CPU devices exist. The kernel reads every input once and writes

@@ -119,7 +119,9 @@ def transformer_loss(params: dict[str, Any], tokens: jax.Array, heads: int) -> j
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
         attn = jax.nn.softmax(jnp.where(_lead(causal, scores), scores, -1e9), axis=-1)
         x = x + _affine(jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, seq, d), p["out_w"], p["out_b"])
-        h = jax.nn.gelu(_affine(_layer_norm(x, p["ln2_g"], p["ln2_b"]), p["fc_w"], p["fc_b"]), approximate=False)
+        h = jax.nn.gelu(
+            _affine(_layer_norm(x, p["ln2_g"], p["ln2_b"]), p["fc_w"], p["fc_b"]), approximate=False
+        )
         x = x + _affine(h, p["proj_w"], p["proj_b"])
     logits = _affine(_layer_norm(x, params["lnf_g"], params["lnf_b"]), params["head_w"], params["head_b"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()

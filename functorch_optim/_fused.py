@@ -482,7 +482,6 @@ def _pick(x: Any, at: np.ndarray) -> Any:
     return x if x is None or isinstance(x, int) else x[at]
 
 
-
 def sgd_kernel(
     leaves: list[Leaf],
     hp: Mapping[str, Any],

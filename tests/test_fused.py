@@ -530,7 +530,9 @@ def _unrolled_loss(tx, params, steps=3):
 
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
-def test_grad_and_jvp_through_default_steps_differentiate_the_rule(name, factory, config, small_leaves_take_the_kernel):
+def test_grad_and_jvp_through_default_steps_differentiate_the_rule(
+    name, factory, config, small_leaves_take_the_kernel
+):
     # the kernel has no derivative: a custom JVP runs the jitted rule's
     params = {"w": jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64), "b": jnp.full((3,), 0.3, jnp.float64)}
     tangents = jax.tree.map(jnp.cos, params)
@@ -557,7 +559,9 @@ def test_vmap_over_default_states_equals_the_rule(name, factory, config, small_l
     _assert_same_bits(out[0], out[1])
 
 
-def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differentiates(small_leaves_take_the_kernel):
+def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differentiates(
+    small_leaves_take_the_kernel,
+):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
     tx = fo.grad_accumulate(fo.adamw(lr=0.1), every=3)
     assert _kernel_calls(tx, params) == 1
