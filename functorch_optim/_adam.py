@@ -266,7 +266,7 @@ def adam(
       differentiable: torch's differentiable path's float32 step scalars (see Note;
         static). With it the default (``fused=None``) runs that jitted rule.
       fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
-        float32/float64 parameters of at least 4096 elements
+        float32/float64 parameters of at least 8192 elements
         (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
         explicit-sharding mesh, one CPU
         device: with several, automatic sharding could split them), as torch

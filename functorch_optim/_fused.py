@@ -371,7 +371,7 @@ def kernel_leaf(param: jax.Array) -> bool:
 #: least this many elements (``auto_kernel_leaf``); smaller ones run the jitted rule, in
 #: the same step (the two give the same bits, so mixing them is exact). See
 #: docs/guide/performance.md for the measurements behind it.
-AUTO_MIN_SIZE = 4096
+AUTO_MIN_SIZE = 8192
 
 
 def auto_kernel_leaf(param: jax.Array) -> bool:

@@ -153,7 +153,7 @@ def sgd(
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       differentiable: accepted for torch compatibility; every step is differentiable.
       fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
-        float32/float64 parameters of at least 4096 elements
+        float32/float64 parameters of at least 8192 elements
         (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
         explicit-sharding mesh, one CPU
         device: with several, automatic sharding could split them), as torch

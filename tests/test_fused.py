@@ -514,7 +514,9 @@ def test_grad_accumulate_over_the_default_takes_the_window_kernel_only_if_every_
 
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
-def test_the_default_takes_the_kernel_and_fused_false_the_rule(name, factory, config):
+def test_the_default_takes_the_kernel_and_fused_false_the_rule(
+    name, factory, config, small_leaves_take_the_kernel
+):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
     assert _kernel_calls(factory(**config), params) == 1
     assert _kernel_calls(factory(**config, fused=False), params) == 0
