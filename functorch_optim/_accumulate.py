@@ -17,7 +17,7 @@ import optax
 
 from functorch_optim._base import STEP_ATTR, WINDOW_ATTR
 from functorch_optim._base import step as _step
-from functorch_optim._fused import Window, window_ready, window_scale
+from functorch_optim._fused import Window, kernel_or_rule, window_scale
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
@@ -316,13 +316,15 @@ def _fused(policy, call, grads, acc, carry, window_step, treedef):
 
 
 def _fused_or_looped(policy, call, grads, acc, carry, step, params, window_step):
-    """``_fused`` on the CPU, ``_looped`` elsewhere (``jax.lax.platform_dependent``)."""
+    """``_fused`` on the CPU, ``_looped`` elsewhere and for derivatives
+    (``_fused.kernel_or_rule``: a JVP through the call is ``_looped``'s)."""
     treedef = jax.tree.structure(params)
-    return jax.lax.platform_dependent(
+    return kernel_or_rule(
+        lambda c, a, g: _fused(policy, call, g, a, c, window_step, treedef),
+        lambda c, a, g: _looped(policy, call, g, a, c, step, params, loop=True),
         carry,
         acc,
-        cpu=lambda c, a: _fused(policy, call, grads, a, c, window_step, treedef),
-        default=lambda c, a: _looped(policy, call, grads, a, c, step, params, loop=True),
+        grads,
     )
 
 
@@ -506,7 +508,9 @@ def grad_accumulate(
                 return inner_step(params, reduced, inner, **kwargs)
             return _step(tx, params, reduced, inner, **kwargs)
 
-        window = window_step if window_step is not None and window_ready(jax.tree.leaves(params)) else None
+        window = (
+            window_step if window_step is not None and window_step.ready(jax.tree.leaves(params)) else None
+        )
         carry = (params, state.inner_state)
         (params, inner), new_state = run(call, grads, state, params, carry, step, window)
         return params, new_state(inner)

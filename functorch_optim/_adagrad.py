@@ -115,10 +115,18 @@ def adagrad(
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; every step is differentiable.
-      fused: default None (off). True runs each float32/float64 parameter's update as one
-        pass of a C++ kernel on the CPU (one call per dtype, ``functorch_optim._fused``),
-        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
-        Not differentiable (torch's ``fused`` is not either).
+      fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
+        float32/float64 parameters of at least 8192 elements
+        (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
+        explicit-sharding mesh, one CPU
+        device: with several, automatic sharding could split them), as torch
+        picks its fastest exact path by default; ``False`` always runs the jitted rule,
+        ``True`` also where several CPU devices exist. The kernel reads every input once and writes
+        in place (built with the package; see the performance guide) and its results are
+        bit-identical to ``fused=False``; ``jax.grad``/``jax.jvp`` through a step
+        differentiate the jitted rule. On GPU/TPU and for other dtypes the jitted rule
+        runs. ``True`` takes the kernel with several CPU devices too (it has no
+        partitioning rule: under automatic sharding XLA gathers each parameter).
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
@@ -132,7 +140,7 @@ def adagrad(
         {weight_decay}``, ``Invalid initial_accumulator_value value: {value}``,
         ``Invalid epsilon value: {eps}`` (torch's texts).
       RuntimeError: torch's texts when ``fused=True`` comes with
-        ``differentiable=True`` or ``foreach=True``; no C++ compiler for ``fused=True``.
+        ``differentiable=True`` or ``foreach=True``.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -165,6 +173,8 @@ def adagrad(
     tx = make_optimizer(ADAGRAD_ALGORITHM, hparams, static)
     # torch's constructor checks these after the values, in this order
     check_fused_flags(fused, differentiable, foreach)
-    if fused:
-        tx = make_optimizer(fused_algorithm(ADAGRAD_ALGORITHM, adagrad_kernel), hparams, static)
+    if fused is not False:
+        tx = make_optimizer(
+            fused_algorithm(ADAGRAD_ALGORITHM, adagrad_kernel, auto=fused is None), hparams, static
+        )
     return tx

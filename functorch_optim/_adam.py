@@ -223,8 +223,9 @@ def build_adam(
         if is_tensor(b) and not capturable and foreach:
             raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
     check_fused_flags(fused, differentiable, foreach)
-    if fused:
-        tx = make_optimizer(fused_algorithm(algorithm, adam_kernel), hparams, static)
+    # the default takes the kernel, except for torch's differentiable path (its own scalars)
+    if fused or (fused is None and not differentiable):
+        tx = make_optimizer(fused_algorithm(algorithm, adam_kernel, auto=fused is None), hparams, static)
     return tx
 
 
@@ -281,12 +282,19 @@ def adam(
       maximize: maximize the objective instead of minimizing, default False (static).
       capturable: accepted for torch compatibility; no effect.
       differentiable: torch's differentiable path's float32 step scalars (see Note;
-        static).
-      fused: default None (off). True runs each float32/float64 parameter's update as one
-        compiled CPU kernel that reads every input once and writes in place (built on
-        first use with the system C++ compiler, see the performance guide); results are
-        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
-        Not differentiable (torch's ``fused`` is not either).
+        static). With it the default (``fused=None``) runs that jitted rule.
+      fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
+        float32/float64 parameters of at least 8192 elements
+        (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
+        explicit-sharding mesh, one CPU
+        device: with several, automatic sharding could split them), as torch
+        picks its fastest exact path by default; ``False`` always runs the jitted rule,
+        ``True`` also where several CPU devices exist. The kernel reads every input once and writes
+        in place (built with the package; see the performance guide) and its results are
+        bit-identical to ``fused=False``; ``jax.grad``/``jax.jvp`` through a step
+        differentiate the jitted rule. On GPU/TPU and for other dtypes the jitted rule
+        runs. ``True`` takes the kernel with several CPU devices too (it has no
+        partitioning rule: under automatic sharding XLA gathers each parameter).
       decoupled_weight_decay: apply weight decay to the parameter, not the gradient (the
         AdamW rule), default False (static).
 
@@ -302,8 +310,7 @@ def adam(
         ``betas must be either both floats or both Tensors``, ``lr as a Tensor is not
         supported for capturable=False and foreach=True``.
       RuntimeError: torch's "`fused` does not support `differentiable`" and "`fused`
-        and `foreach` cannot be `True` together." (only with ``fused=True``); no C++
-        compiler for ``fused=True``.
+        and `foreach` cannot be `True` together." (only with ``fused=True``).
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo

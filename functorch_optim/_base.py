@@ -342,6 +342,7 @@ def make_optimizer(
     setattr(update, STEP_ATTR, step_fn)
     setattr(update, ALGORITHM_ATTR, algorithm)
     if algorithm.fused_window is not None:
+        window_step.ready = algorithm.fused_window.ready  # whether a call over given params can take it
         setattr(update, WINDOW_ATTR, window_step)
     # sharded or abstract params: each state leaf is created with its parameter's sharding
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)

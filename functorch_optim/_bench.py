@@ -15,7 +15,10 @@ and interleaved round-robin so that machine load hits every contender alike:
   layout with ``fused=True``);
 * **peak memory** of each jitted step, from XLA's buffer assignment
   (arguments + outputs - aliased + temporaries), in units of the parameters' size;
-* **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves.
+* **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves;
+* **train**: the whole training step (forward + backward + AdamW) of a 200-leaf MLP and a
+  12-layer, 150-leaf transformer, with functorch_optim, optax and torch
+  (``functorch_optim._bench_train``); ``--sections train --quick`` runs it alone, small.
 
 Everything runs on JAX's default backend; torch's contenders run on the same device
 (CUDA, waited for after each call, when JAX runs on a GPU; left out when torch cannot use
@@ -47,7 +50,7 @@ import optax
 
 import functorch_optim as fo
 
-SECTIONS = ("sgd", "adam", "adagrad", "accumulate", "compile")
+SECTIONS = ("sgd", "adam", "adagrad", "accumulate", "compile", "train")
 LR, MOMENTUM, WEIGHT_DECAY = 1e-3, 0.9, 1e-4
 ADAM_LR = 1e-3
 ADAGRAD_LR = 1e-2
@@ -883,7 +886,13 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {'yes' if c['holds'] else 'no'} |"
             )
         lines.append("")
+    if result.get("train"):
+        from functorch_optim import _bench_train
+
+        lines += [*_bench_train.markdown(result["train"]), ""]
     meta = result["meta"]
+    if meta.get("note"):
+        lines.append(f"Note: {meta['note']}")
     lines.append(
         f"{meta['machine']}; jax {meta['jax']}, optax {meta['optax']}, torch {meta['torch']}; "
         f"{meta['reps']} timed reps per contender, round-robin, each after {meta.get('settle', 0)} "
@@ -967,6 +976,7 @@ def run(
     compile_leaves: Sequence[int] | None = None,
     log: Callable[[str], None] = lambda s: None,
     settle: int = 1,
+    note: str | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark sections and return the results as a JSON-able dict."""
     cases = tuple(cases or (QUICK_CASES if quick else FULL_CASES))
@@ -992,6 +1002,7 @@ def run(
             "dtype": "float32",
             "load_before": [round(x, 2) for x in os.getloadavg()],
             "command": " ".join(["python -m functorch_optim bench", *_cli_args()]),
+            "note": note,
         }
     }
     for kind in STEP_KINDS:
@@ -1003,6 +1014,10 @@ def run(
         result["accumulate"] = bench_accumulate(acc_cases, reps, log, settle)
     if "compile" in sections:
         result["compile"] = bench_compile(compile_leaves, log)
+    if "train" in sections:
+        from functorch_optim._bench_train import bench_train
+
+        result["train"] = bench_train(quick, reps, log, settle)
     result["meta"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
     result["meta"]["wall_s"] = time.perf_counter() - t0
     return result
@@ -1028,6 +1043,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="untimed calls of a contender right before each timed one (default 1; 0 times "
         "each call right after another contender's)",
     )
+    parser.add_argument("--note", help="a line recorded in the results' meta (e.g. how busy the machine was)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="PATH", default="bench.png", help="plot file (default bench.png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
@@ -1071,7 +1087,9 @@ def run_cli(args: argparse.Namespace) -> int:
                 parts.append(json.load(fh))
         result = merge(parts)
     else:
-        result = run(args.sections, args.quick, args.reps, cases, args.compile_leaves, log, args.settle)
+        result = run(
+            args.sections, args.quick, args.reps, cases, args.compile_leaves, log, args.settle, args.note
+        )
     table = markdown(result)
     print(table)
     if args.markdown:

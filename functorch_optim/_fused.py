@@ -7,54 +7,44 @@ memory bandwidth). ``fused=True`` replaces the per-parameter rule by a C++ kerne
 place, on XLA's own thread pool, with the same operations in the same order, so results
 are bit-identical to ``fused=False`` (tests/test_fused.py asserts it).
 
-The kernel is compiled on first use with the system's C++ compiler (``$CXX``, else
-``c++``/``g++``/``clang++``) against ``jax.ffi.include_dir()`` and cached in
-``$FUNCTORCH_OPTIM_CACHE`` (default ``~/.cache/functorch_optim``), keyed by the source,
-the jaxlib version, the compiler, its flags and the CPU features ``-march=native``
-resolves to (``library_path``, ``target_features``). A cached library is loaded only
-after verification (``load_kernels``): a directory and file of this user that no one
-else can write, and bytes that match the SHA-256 its build recorded; anything else is
-rebuilt (or, in a directory others can write, refused). On other backends (GPU, TPU),
+The kernels are compiled when the package is built (``setup.py``), into a library beside
+this module, for every CPU of the architecture (on x86-64 each element loop has an
+AVX-512, an AVX2 and a baseline clone, picked when the library loads), with the
+library's SHA-256 written beside it by that build. Nothing is compiled at run time. The
+library is loaded only after verification (``load_kernels``): a regular file that is no
+easier to replace than this module (same owner, this user or root; writable by no one
+who cannot write this module) whose bytes match the recorded SHA-256. A library that is
+missing or fails verification is not loaded: one ``RuntimeWarning`` says why, and every
+optimizer runs its jitted rule, as with ``fused=False``. On other backends (GPU, TPU),
 where XLA fuses the step by itself, and for parameter dtypes other than float32/float64,
 the ordinary jitted rule runs instead (``jax.lax.platform_dependent``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
 import hashlib
+import importlib.machinery
 import os
-import secrets
-import shlex
-import shutil
 import stat
-import subprocess
-import sys
-import tempfile
-import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no lock (a build still commits by atomic rename)
-    fcntl = None
+from jax.custom_derivatives import SymbolicZero
 
 from functorch_optim._base import Algorithm, rule_step
 from functorch_optim._torch_ops import caster, lr_over, step_as_float
 
-SOURCE = Path(__file__).with_name("_fused_kernels.cc")
+_HERE = Path(__file__).resolve().parent
+_LIBRARY = "_fused_kernels"  # the build's library: _fused_kernels<extension suffix>, beside this module
 _TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam", "fo_adagrad": "FoAdagrad"}
-_FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 _CHECKSUM = ".sha256"  # beside the library: the SHA-256 of its bytes, written by its build
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Parameters per kernel call: XLA's compile time grows faster than linearly in the
@@ -62,131 +52,93 @@ _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _LEAVES_PER_CALL = 128
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    raise RuntimeError(
-        "fused=True builds a small C++ kernel on first use and needs a C++ compiler; none was "
-        "found (set CXX, or install g++ or clang++), or use fused=False"
-    )
-
-
-def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "functorch_optim"
-    return Path(os.environ.get("FUNCTORCH_OPTIM_CACHE", default))
-
-
-# options of the compiler proper whose value is the next word (clang's ``-cc1``, gcc's ``cc1plus``)
-_VALUE_OPTIONS = ("--param", "-target-cpu", "-target-feature", "-tune-cpu", "-triple", "-target-abi")
-
-
-def target_features(compiler: str, flags: tuple[str, ...]) -> str:
-    """The code-generation target that ``flags`` select on this machine, as ``compiler``
-    resolves it: ``-march=native`` becomes the CPU's model and feature flags (gcc's
-    ``-march=rocketlake -mavx512f … --param l1-cache-size=48``, clang's ``-target-cpu`` and
-    ``-target-feature`` words), read from the compiler driver's ``-###`` output.
-
-    Raises:
-      RuntimeError: neither the compiler's output nor ``/proc/cpuinfo`` tells the CPU's
-        features (the cache could not keep builds for different CPUs apart).
-    """
-    command = [compiler, *flags, "-###", "-x", "c++", "-c", os.devnull, "-o", os.devnull]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    words: list[str] = []
-    for line in result.stderr.splitlines():
-        try:
-            tokens = shlex.split(line)
-        except ValueError:
-            continue
-        if not tokens or not (Path(tokens[0]).name.startswith("cc1") or "-cc1" in tokens):
-            continue
-        rest = iter(tokens[1:])
-        for token in rest:
-            if token in _VALUE_OPTIONS:
-                words.append(f"{token} {next(rest, '')}")
-            elif token.startswith("-m") and not token.startswith("-main-file-name"):
-                words.append(token)
-    if not words:  # a driver that prints no compiler line: the kernel's view of the CPU
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        except OSError:
-            cpuinfo = []
-        words = sorted({line for line in cpuinfo if line.split(":")[0].strip() in ("flags", "Features")})
-    if not words:
-        raise RuntimeError(
-            f"fused=True could not tell which CPU features {' '.join(flags)} selects on this machine "
-            f"({' '.join(command)} printed no compiler command and /proc/cpuinfo is unreadable), so a "
-            "cached kernel built on another CPU could not be told apart; use fused=False"
-        )
-    return " ".join(words)
-
-
-def library_path(compiler: str, flags: tuple[str, ...], target: str) -> Path:
-    """Where the kernel library built by ``compiler`` with ``flags`` for ``target``
-    (``target_features``) is cached: under ``$FUNCTORCH_OPTIM_CACHE``, named by a hash of
-    the source, jaxlib's version, the compiler, the flags and the CPU features the build
-    uses (a change of any is another file: a cache shared by machines with different CPUs
-    holds one build per CPU)."""
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.lib.__version__, compiler, " ".join(flags), target):
-        key.update(part if isinstance(part, bytes) else part.encode())
-        key.update(b"\0")
-    return _cache_dir() / f"fused_kernels-{key.hexdigest()[:16]}.so"
+def library_file(directory: Path = _HERE) -> Path | None:
+    """The kernel library the package build wrote into ``directory`` (this module's), or
+    ``None`` if there is none: ``_fused_kernels`` with one of this interpreter's
+    extension-module suffixes (``.cpython-311-x86_64-linux-gnu.so``, ``.so``, …)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / (_LIBRARY + suffix)
+        if path.exists():
+            return path
+    return None
 
 
 @functools.cache
-def load_kernels() -> str:
-    """Build (once per source/jaxlib/compiler/CPU), verify and register the fused kernels.
+def load_kernels() -> str | None:
+    """Verify and register the fused kernels the package build wrote beside this module.
 
-    The library is loaded only after its bytes match the SHA-256 recorded beside it
-    (``<library>.sha256``) by the build that wrote it, from a cache directory and file
-    owned by this user and writable by no one else; a file that fails (truncated, empty,
-    corrupt, without a checksum, replaced) is rebuilt, with a ``RuntimeWarning`` naming it.
+    Loaded only if the library is a regular file no easier to replace than this module
+    (``_check_owned``) and its bytes match the SHA-256 its build recorded beside it
+    (``<library>.sha256``). Once per process.
 
     Returns:
-      The path of the shared library.
-
-    Raises:
-      RuntimeError: no C++ compiler; the build failed (the compiler's output is shown);
-        the cache directory is not this user's or others can write it; or a cached file
-        failed verification and could not be rebuilt.
+      The path of the loaded library, or ``None`` when it is missing or fails a check
+      (after one ``RuntimeWarning`` saying why): the optimizers then run the jitted rule.
     """
-    compiler = _compiler()
-    library = library_path(compiler, _FLAGS, target_features(compiler, _FLAGS))
-    fd = _verified_library(compiler, library)
-    # dlopen the descriptor that was verified (or written), not the path: what loads is
-    # those bytes even if the name is replaced meanwhile. The descriptor stays open for
-    # the life of the process, so its /proc name never refers to another file.
-    proc = Path(f"/proc/self/fd/{fd}")
-    lib = ctypes.CDLL(str(proc) if proc.exists() else str(library))
-    for target, symbol in _TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    library = library_file()
+    try:
+        if library is None:
+            raise _Unverified(
+                f"there is no kernel library {_LIBRARY}*.so in {_HERE} (the package was not built "
+                "by its build backend, or the library was removed)"
+            )
+        fd = _open_verified(library)
+        # dlopen the descriptor that was verified, not the path: what loads is those
+        # bytes even if the name is replaced meanwhile. The descriptor stays open for the
+        # life of the process, so its /proc name never refers to another file.
+        proc = Path(f"/proc/self/fd/{fd}")
+        try:
+            lib = ctypes.CDLL(str(proc) if proc.exists() else str(library))
+            capsules = {
+                target: jax.ffi.pycapsule(getattr(lib, symbol)) for target, symbol in _TARGETS.items()
+            }
+        except (OSError, AttributeError) as error:
+            raise _Unverified(f"it cannot be loaded ({error})") from None
+    except _Unverified as error:
+        reason = str(error) if library is None else f"the kernel library {library}: {error}"
+        warnings.warn(
+            f"functorch_optim's fused CPU kernels are not available: {reason}; "
+            "every optimizer runs its jitted rule, as with fused=False (same results, slower on the "
+            "CPU). Reinstalling the package builds them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    for target, capsule in capsules.items():
+        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
     return str(library)
 
 
 class _Unverified(Exception):
-    """A cached file that must not be loaded; the message says why."""
+    """A library that must not be loaded; the message says why."""
 
 
 def _check_owned(st: os.stat_result, what: str) -> None:
-    """Raise ``_Unverified`` unless ``st`` is a regular file of this user that no one else
-    can write."""
+    """Raise ``_Unverified`` unless ``st`` is a regular file no easier to replace than this
+    module: owned by this module's owner, this user or root, and writable by no group or
+    other user that cannot write this module (a library anyone could rewrite would run
+    their code in this process)."""
     if not stat.S_ISREG(st.st_mode):
         raise _Unverified(f"{what} is not a regular file")
-    if st.st_uid != os.geteuid():
-        raise _Unverified(f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise _Unverified(f"{what} is writable by other users (mode {stat.S_IMODE(st.st_mode):#o})")
+    module = os.stat(__file__)
+    if st.st_uid not in (module.st_uid, os.geteuid(), 0):
+        raise _Unverified(
+            f"{what} is owned by uid {st.st_uid}, not by this package's owner (uid {module.st_uid}), "
+            f"this user (uid {os.geteuid()}) or root"
+        )
+    if st.st_mode & 0o022 & ~module.st_mode:
+        raise _Unverified(
+            f"{what} is writable by other users (mode {stat.S_IMODE(st.st_mode):#o}; "
+            f"{Path(__file__).name} has {stat.S_IMODE(module.st_mode):#o})"
+        )
 
 
-def _open_checked(directory: int, name: str, what: str) -> int:
-    """``name`` in ``directory`` opened for reading, without following a symbolic link."""
+def _open_checked(path: Path, what: str) -> int:
+    """``path`` opened for reading, without following a symbolic link, after
+    ``_check_owned``."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:
-        if isinstance(error, FileNotFoundError):
-            raise
         raise _Unverified(f"{what} cannot be opened ({error.strerror}; a symbolic link is refused)") from None
     try:
         _check_owned(os.fstat(fd), what)
@@ -203,16 +155,15 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _open_verified(directory: int, name: str) -> int:
-    """The cached library ``name`` opened, after its checks: ``FileNotFoundError`` if it
-    is absent, ``_Unverified`` if it must not be loaded."""
-    fd = _open_checked(directory, name, "it")
+def _open_verified(library: Path) -> int:
+    """``library`` opened, after its checks (``_Unverified`` if it must not be loaded)."""
+    fd = _open_checked(library, "it")
     try:
         digest = hashlib.sha256(_read_all(fd)).hexdigest()
-        try:
-            sum_fd = _open_checked(directory, name + _CHECKSUM, f"its checksum file {name + _CHECKSUM}")
-        except FileNotFoundError:
-            raise _Unverified(f"it has no checksum file beside it ({name + _CHECKSUM})") from None
+        checksum = library.with_name(library.name + _CHECKSUM)
+        if not checksum.exists():
+            raise _Unverified(f"it has no checksum file beside it ({checksum.name})")
+        sum_fd = _open_checked(checksum, f"its checksum file {checksum.name}")
         try:
             recorded = _read_all(sum_fd).decode(errors="replace").strip()
         finally:
@@ -226,135 +177,6 @@ def _open_verified(directory: int, name: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def _trusted_directory(path: Path) -> int:
-    """The cache directory, created (mode 0700) if absent, opened; it must be this user's
-    and writable by no one else, as anyone who can write it could replace the library."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as error:
-        raise RuntimeError(
-            f"fused=True caches its kernel library in {path}, which cannot be created or opened "
-            f"({error.strerror}); set FUNCTORCH_OPTIM_CACHE to a directory of yours, or use fused=False"
-        ) from None
-    st = os.fstat(fd)
-    problem = None
-    if st.st_uid != os.geteuid():
-        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    elif st.st_mode & 0o022:
-        problem = f"is writable by other users (mode {stat.S_IMODE(st.st_mode):#o})"
-    if problem:
-        os.close(fd)
-        raise RuntimeError(
-            f"the fused-kernel cache directory {path} {problem}: a library there could be "
-            "replaced by someone else, so fused=True does not load from it; set "
-            f"FUNCTORCH_OPTIM_CACHE to a directory only you can write (or run chmod go-w {path}), "
-            "or use fused=False"
-        )
-    return fd
-
-
-@contextlib.contextmanager
-def _locked(directory: int) -> Iterator[None]:
-    """An exclusive lock on the cache directory while a process checks and builds: a
-    second process waits and then loads the first one's build instead of compiling too.
-    Where the file system has no ``flock``, builders still commit by atomic rename and
-    each process loads only bytes it verified or wrote itself."""
-    try:
-        if fcntl is None:
-            raise OSError("no flock")
-        fcntl.flock(directory, fcntl.LOCK_EX)
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        fcntl.flock(directory, fcntl.LOCK_UN)
-
-
-def _build(compiler: str) -> bytes:
-    """The kernel library's bytes, compiled in a private temporary directory.
-
-    A build takes seconds: it says so on stderr, and when it is done, rather than wait
-    silently.
-    """
-    print(
-        f"functorch_optim: building the fused=True kernels with {Path(compiler).name} "
-        f"(once per machine and version; cached in {_cache_dir()}) ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        built = Path(tmp) / "fused_kernels.so"
-        command = [compiler, *_FLAGS, "-w", "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"building the fused kernel failed:\n{' '.join(command)}\n{result.stderr}")
-        data = built.read_bytes()
-    print(f"functorch_optim: fused kernels built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return data
-
-
-def _write_new(directory: int, name: str, data: bytes) -> int:
-    """``data`` as ``name`` in ``directory``: written to a fresh file (``O_EXCL``, mode
-    0644), flushed to disk, then renamed over ``name`` in one step, so a reader sees the
-    old file or the whole new one. Returns the new file's descriptor (write-only)."""
-    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=directory
-    )
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=directory)
-        raise
-    return fd
-
-
-def _verified_library(compiler: str, library: Path) -> int:
-    """A descriptor of the kernel library at ``library`` whose bytes are verified: the
-    cached file if it passes ``_open_verified``, else a fresh build written there (with
-    its checksum beside it) and the descriptor of the file this process wrote."""
-    directory = _trusted_directory(library.parent)
-    try:
-        with _locked(directory):
-            try:
-                return _open_verified(directory, library.name)
-            except FileNotFoundError:
-                reason = None
-            except _Unverified as error:
-                reason = str(error)
-                warnings.warn(
-                    f"the cached fused-kernel library {library}: {reason}; it is not loaded and is rebuilt",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            try:
-                data = _build(compiler)
-                fd = _write_new(directory, library.name, data)
-                digest = hashlib.sha256(data).hexdigest().encode()
-                os.close(_write_new(directory, library.name + _CHECKSUM, digest))
-                os.fsync(directory)
-            except (RuntimeError, OSError) as error:
-                detail = (
-                    str(error) if isinstance(error, RuntimeError) else f"writing {library} failed: {error}"
-                )
-                if reason is not None:
-                    detail = f"the cached kernel library {library}: {reason}; rebuilding it failed: {detail}"
-                raise RuntimeError(detail) from error
-            return fd
-    finally:
-        os.close(directory)
 
 
 Leaf = tuple[jax.Array, jax.Array, dict[str, jax.Array], jax.Array, Any]
@@ -419,7 +241,6 @@ def _call(
     ``scalars`` / ``flags``: per-parameter values, each a scalar (the same for all) or a
     vector over the leaves. Per leaf ``(param, buffers)``, with a ``window`` ``(param,
     buffers, accumulator)``."""
-    load_kernels()  # registers the targets, in a process that unpickled a fused algorithm too
     dtype = leaves[0][0].dtype
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
@@ -475,14 +296,62 @@ def _call(
     ]
 
 
-def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any]) -> Algorithm:
-    """``algorithm`` with ``kernel`` as its ``fused_step``. Builds the kernel library now,
-    so that a missing compiler is reported at construction, before any state exists.
-    (torch's "floating point params only" check for ``fused`` is every optimizer's here.)"""
-    load_kernels()
+def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False) -> Algorithm:
+    """``algorithm`` with ``kernel`` as its ``fused_step``. With ``fused=True`` it loads
+    the kernel library now, so that a missing one is reported (one warning) at
+    construction; the default loads it when a step is first traced (so that building an
+    optimizer, e.g. at import, never warns); without it the fused step runs the jitted
+    rule. ``auto`` (``fused=None``): not where several CPU
+    devices could shard the step either (``_kernels_apply``). (torch's "floating point
+    params only" check for ``fused`` is every optimizer's here.)"""
+    if not auto:  # the default loads the library when a step is first traced
+        load_kernels()
     return dataclasses.replace(
-        algorithm, fused_step=FusedStep(kernel, algorithm), fused_window=FusedWindow(kernel)
+        algorithm, fused_step=FusedStep(kernel, algorithm, auto), fused_window=FusedWindow(kernel, auto)
     )
+
+
+def _kernels_apply(auto: bool) -> bool:
+    """Whether a step traced now takes the kernels: the library is loaded, and for the
+    default (``auto``) the process has one CPU device. With several, automatic (SPMD)
+    sharding may split the parameters, which a trace cannot see, and the kernel has no
+    partitioning rule (XLA would gather every parameter onto every device), so the
+    default runs the jitted rule there; ``fused=True`` still takes the kernel."""
+    return load_kernels() is not None and not (auto and jax.device_count("cpu") > 1)
+
+
+def kernel_or_rule(kernel: Callable[..., Any], rule: Callable[..., Any], *args: Any) -> Any:
+    """``kernel(*args)`` on the CPU and ``rule(*args)`` elsewhere (``jax.lax.platform_dependent``),
+    differentiable: its JVP (and so ``jax.grad``, ``jax.jvp``, ``jax.hessian``) is ``rule``'s,
+    as the kernel call has no derivative and the two give the same bits. ``args`` are
+    pytrees; their array leaves are the function's arguments (what is differentiated), any
+    other leaf (a Python number, a flag) a constant."""
+    leaves, treedef = jax.tree.flatten(args)
+    is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+
+    def rebuild(arrays):
+        it = iter(arrays)
+        return treedef.unflatten([next(it) if a else x for x, a in zip(leaves, is_array)])
+
+    @jax.custom_jvp
+    def run(*arrays):
+        return jax.lax.platform_dependent(*rebuild(arrays), cpu=kernel, default=rule)
+
+    @functools.partial(run.defjvp, symbolic_zeros=True)
+    def run_jvp(primals, tangents):
+        # only the arguments that carry a tangent are differentiated: the others stay
+        # constants, as in the rule's own derivative (a zero tangent made explicit would
+        # add ``0 * x`` terms that XLA contracts differently)
+        live = [not isinstance(t, SymbolicZero) for t in tangents]
+
+        def of_live(*values):
+            it = iter(values)
+            return rule(*rebuild([next(it) if on else p for p, on in zip(primals, live)]))
+
+        pick = lambda xs: tuple(x for x, on in zip(xs, live) if on)
+        return jax.jvp(of_live, pick(primals), pick(tangents))
+
+    return run(*[x for x, a in zip(leaves, is_array) if a])
 
 
 def _explicitly_sharded(x: jax.Array) -> bool:
@@ -498,12 +367,29 @@ def kernel_leaf(param: jax.Array) -> bool:
     return param.dtype in _KERNEL_DTYPES and param.size > 0 and not _explicitly_sharded(param)
 
 
-def _batches(leaves: list[Leaf]) -> list[list[int]]:
-    """The kernel leaves' indices, one list per call: by dtype, at most
-    ``_LEAVES_PER_CALL`` each."""
+#: ``fused=None``'s per-parameter rule: a parameter takes the kernel only if it has at
+#: least this many elements (``auto_kernel_leaf``); smaller ones run the jitted rule, in
+#: the same step (the two give the same bits, so mixing them is exact). See
+#: docs/guide/performance.md for the measurements behind it.
+AUTO_MIN_SIZE = 8192
+
+
+def auto_kernel_leaf(param: jax.Array) -> bool:
+    """Whether the default (``fused=None``) updates ``param`` in the kernel (on the CPU): a
+    kernel leaf (``kernel_leaf``) with at least ``AUTO_MIN_SIZE`` elements."""
+    return kernel_leaf(param) and param.size >= AUTO_MIN_SIZE
+
+
+def _takes_kernel(auto: bool) -> Callable[[jax.Array], bool]:
+    return auto_kernel_leaf if auto else kernel_leaf
+
+
+def _batches(leaves: list[Leaf], takes: Callable[[jax.Array], bool] = kernel_leaf) -> list[list[int]]:
+    """The indices of the leaves that ``takes`` the kernel, one list per call: by dtype, at
+    most ``_LEAVES_PER_CALL`` each."""
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if kernel_leaf(leaf[0]):
+        if takes(leaf[0]):
             groups.setdefault(leaf[0].dtype, []).append(i)
     return [v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)]
 
@@ -520,28 +406,31 @@ class FusedStep:
 
     kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]
     algorithm: Algorithm
+    auto: bool = False  # fused=None: see _kernels_apply
 
     def __call__(
         self, leaves: list[Leaf], hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array]]]:
         kernel, algorithm = self.kernel, self.algorithm
+        # load_kernels registers the targets (also in a process that unpickled this step);
+        # without the library every parameter takes the rule
+        loaded = _kernels_apply(self.auto)
+        takes = _takes_kernel(self.auto)
         out: list[Any] = [None] * len(leaves)
         for i, leaf in enumerate(leaves):
-            if not kernel_leaf(leaf[0]):
+            if not (loaded and takes(leaf[0])):
                 out[i] = rule_step(algorithm, leaf, hparams_of, static, one)
-        for indices in _batches(leaves):
+        for indices in _batches(leaves, takes) if loaded else []:
             group = [
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
             hp = hparams_of(group[0][0].dtype)
-            results = jax.lax.platform_dependent(
+            results = kernel_or_rule(
+                lambda g, h, one: kernel(g, h, static, one),
+                lambda g, h, one: [rule_step(algorithm, leaf, lambda _: h, static, one) for leaf in g],
                 group,
                 hp,
                 one,
-                cpu=lambda g, h, one: kernel(g, h, static, one),
-                default=lambda g, h, one: [
-                    rule_step(algorithm, leaf, lambda _: h, static, one) for leaf in g
-                ],
             )
             for i, result in zip(indices, results):
                 out[i] = result
@@ -554,11 +443,20 @@ class FusedWindow:
     ``kernel`` (a value, like ``FusedStep``)."""
 
     kernel: Callable[..., list]
+    auto: bool = False  # fused=None: see _kernels_apply
+
+    def ready(self, params: list[jax.Array]) -> bool:
+        """Whether this can take a call over ``params``: the kernels apply and every
+        non-empty parameter takes the kernel (``kernel_leaf``; for the default,
+        ``auto_kernel_leaf``: one call covers every parameter, so a tree with a small one
+        runs the jitted path); otherwise grad_accumulate runs the jitted path."""
+        takes = _takes_kernel(self.auto)
+        return _kernels_apply(self.auto) and all(takes(p) or not p.size for p in params)
 
     def __call__(
         self, leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]:
-        # every non-empty parameter is a kernel leaf (``window_ready``); an empty one
+        # every non-empty parameter is a kernel leaf (``ready``); an empty one
         # has nothing to update but its step counter
         out: list[Any] = [None] * len(leaves)
         for i, (param, _, buffers, step, active) in enumerate(leaves):
@@ -582,12 +480,6 @@ class FusedWindow:
 def _pick(x: Any, at: np.ndarray) -> Any:
     # a per-parameter vector's entries for one kernel call; a static value as it is
     return x if x is None or isinstance(x, int) else x[at]
-
-
-def window_ready(params: list[jax.Array]) -> bool:
-    """Whether ``fused_window`` can take a call over ``params``: every non-empty one is
-    a kernel leaf (otherwise grad_accumulate runs the jitted path)."""
-    return all(kernel_leaf(p) or not p.size for p in params)
 
 
 def sgd_kernel(

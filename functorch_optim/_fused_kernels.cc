@@ -19,7 +19,12 @@
 // the call that closes it reads the accumulator and the last gradient, writes the
 // window's mean (or sum, or weighted mean) back and steps on it, in the same pass.
 //
-// Built on first use by functorch_optim/_fused.py against ``jax.ffi.include_dir()``.
+// Built with the package (setup.py, against the build-time jaxlib's ``jax.ffi.include_dir()``),
+// for any CPU of the architecture: on x86-64 the element loops are compiled three times
+// (x86-64-v4 = AVX-512, x86-64-v3 = AVX2 + FMA, and the baseline) and the loader picks the
+// best the CPU runs (GCC/Clang function multiversioning, ``FO_CLONES``). ``std::fma`` is
+// exact in every clone (an instruction, or the C library's correctly rounded ``fma``), and
+// ``-ffp-contract=off`` holds for all of them, so every clone gives the same bits.
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +41,15 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if !defined(FO_CLONES) && defined(__x86_64__) && defined(__ELF__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef FO_CLONES
+#define FO_CLONES  // one build for the target's baseline (aarch64: NEON and FMA); tests set it
+#endif
 
 // Elements per work item: big enough that scheduling costs nothing, small enough to
 // balance the threads.
@@ -100,7 +114,9 @@ inline T Maximum(T a, T b) {
 // by the reciprocal; 1 / the weight sum for the weighted mean; 1 for the sum), and the
 // weight this call's gradient is added in with (reduction "weighted" only).
 
-// A window's scalars of one parameter.
+// A window's scalars of one parameter. ``weight`` is 1 unless ``weighted``: the step's
+// ``fma(g, weight, acc)`` is then ``acc + g`` exactly (one rounding of the same sum), so
+// the loops need no branch on ``weighted`` (a branch kept GCC from vectorizing them).
 template <typename T>
 struct WindowScalars {
   T scale, weight;
@@ -115,7 +131,7 @@ template <typename T, bool kWindow, bool kHasG, bool kMean>
 inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, const WindowScalars<T>& w) {
   if (!kWindow) return g[i];
   T a = acc[i];
-  if (kHasG) a = w.weighted ? std::fma(g[i], w.weight, a) : a + g[i];
+  if (kHasG) a = std::fma(g[i], w.weight, a);  // acc + g exactly where not weighted (weight 1)
   if (kMean) a = a * w.scale;
   acc[i] = a;
   return a;
@@ -125,7 +141,7 @@ inline T StepGrad(int64_t i, const T* __restrict g, T* __restrict acc, const Win
 // (``where(fresh, g, acc + g)``, weighted ``where(fresh, 0, acc) + g * w``; without a
 // gradient ``where(fresh, 0, acc)``).
 template <typename T>
-void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh,
+FO_CLONES void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, bool fresh,
              const WindowScalars<T>& w) {
   if (g == nullptr) {
     if (fresh) std::fill(acc + lo, acc + hi, T(0));
@@ -147,7 +163,7 @@ void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __restrict g, b
 // scalars: [-lr, momentum, 1 - dampening, weight_decay]
 // flags:   [active, weight_decay != 0, step == 1, momentum != 0]
 template <typename T, bool kWd, bool kUse, bool kWindow, bool kHasG, bool kMean>
-void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
+FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
              T* __restrict acc, T neg_lr, T mom, T damp1, T wd, T sign, const WindowScalars<T>& w, bool first,
              bool nesterov) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -172,8 +188,10 @@ struct AdamScalars {
   bool small;
 };
 
-template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean>
-void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
+// ``kSmall`` (``|w| < 0.5``, torch's lerp form) is a template flag, not a branch in the
+// loop: with it in the loop GCC kept a branch per element and did not vectorize.
+template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean, bool kSmall>
+FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
               T* __restrict v, T* __restrict vmax, T* __restrict acc, const AdamScalars<T> c,
               const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -182,7 +200,7 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
     if (kCoupled) gi = std::fma(c.wd, pi, gi);
     const T mi = m[i];
     const T diff = gi - mi;
-    const T nm = c.small ? std::fma(c.w, diff, mi) : std::fma(-diff, c.w1, gi);
+    const T nm = kSmall ? std::fma(c.w, diff, mi) : std::fma(-diff, c.w1, gi);
     m[i] = nm;
     const T nv = std::fma(v[i], c.b2, c.omb2 * gi * gi);
     v[i] = nv;
@@ -202,7 +220,7 @@ void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T*
 // scalars: [-clr = -lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
 // flags:   [active, weight_decay != 0]
 template <typename T, bool kWd, bool kWindow, bool kHasG, bool kMean>
-void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
+FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
                  T* __restrict acc, T neg_clr, T wd, T eps, T sign, const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
@@ -244,7 +262,8 @@ struct Leaves {
   const int32_t* window_flags(int64_t i) const { return flag_row(i + 1) - 4; }
   WindowScalars<T> window_scalars(int64_t i) const {
     if (!window) return {T(1), T(1), false};
-    return {scalar_row(i + 1)[-2], scalar_row(i + 1)[-1], window_flags(i)[3] != 0};
+    const bool weighted = window_flags(i)[3] != 0;
+    return {scalar_row(i + 1)[-2], weighted ? scalar_row(i + 1)[-1] : T(1), weighted};
   }
 };
 
@@ -386,11 +405,11 @@ void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool dec
                            maximize ? T(-1) : T(1), bool(f[2])};
     WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
-          [&](auto kDecay, auto kCoupled, auto kAms) {
-            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean>(
+          [&](auto kDecay, auto kCoupled, auto kAms, auto kSmall) {
+            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean, kSmall>(
                 lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i), x.buf(2, i), x.acc(i), c, w);
           },
-          decoupled && f[1], !decoupled && f[1], x.buffers == 3);
+          decoupled && f[1], !decoupled && f[1], x.buffers == 3, c.small);
     });
   };
   ForEachItem(pool, x, step);

@@ -158,11 +158,18 @@ def sgd(
       maximize: maximize the objective instead of minimizing, default False (static).
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       differentiable: accepted for torch compatibility; every step is differentiable.
-      fused: default None (off). True runs each float32/float64 parameter's update as one
-        compiled CPU kernel that reads every input once and writes in place (built on
-        first use with the system C++ compiler, see the performance guide); results are
-        bit-identical to ``fused=False``. On GPU/TPU and for other dtypes it has no effect.
-        Not differentiable (torch's ``fused`` is not either).
+      fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
+        float32/float64 parameters of at least 8192 elements
+        (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
+        explicit-sharding mesh, one CPU
+        device: with several, automatic sharding could split them), as torch
+        picks its fastest exact path by default; ``False`` always runs the jitted rule,
+        ``True`` also where several CPU devices exist. The kernel reads every input once and writes
+        in place (built with the package; see the performance guide) and its results are
+        bit-identical to ``fused=False``; ``jax.grad``/``jax.jvp`` through a step
+        differentiate the jitted rule. On GPU/TPU and for other dtypes the jitted rule
+        runs. ``True`` takes the kernel with several CPU devices too (it has no
+        partitioning rule: under automatic sharding XLA gathers each parameter).
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
@@ -178,8 +185,7 @@ def sgd(
         ``Invalid weight_decay value: {weight_decay}``, ``Nesterov momentum requires a
         momentum and zero dampening`` (torch's texts).
       RuntimeError: torch's "`fused` does not support `differentiable`" and "`fused`
-        and `foreach` cannot be `True` together." (only with ``fused=True``); no C++
-        compiler for ``fused=True``.
+        and `foreach` cannot be `True` together." (only with ``fused=True``).
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo
@@ -208,5 +214,9 @@ def sgd(
     # a schedule or a JAX array (an injected input) can change: keep the buffer
     has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) != 0
     static = {"nesterov": bool(nesterov), "maximize": bool(maximize), "has_momentum": has_momentum}
-    algorithm = fused_algorithm(SGD_ALGORITHM, sgd_kernel) if fused else SGD_ALGORITHM
+    algorithm = (
+        fused_algorithm(SGD_ALGORITHM, sgd_kernel, auto=fused is None)
+        if fused is not False
+        else SGD_ALGORITHM
+    )
     return make_optimizer(algorithm, hparams, static)

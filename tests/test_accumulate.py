@@ -179,7 +179,8 @@ def _leaves(n):
 
 @functools.cache
 def _compiled(n_leaves, every):
-    tx = fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2), every=every)
+    # the jitted path (the default's CPU kernel makes each call one kernel call: test_fused.py)
+    tx = fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=False), every=every)
     params = _leaves(n_leaves)
     state = tx.init(params)
     fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2), keep_unused=True)
@@ -230,7 +231,7 @@ def test_compiled_size_per_parameter_is_the_inner_step_plus_one_pass():
     def size(compiled):
         return len([line for line in compiled.as_text().splitlines() if " = " in line])
 
-    sgd = fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2)
+    sgd = fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=False)  # the jitted rule, as _compiled
 
     def plain(n):
         p = _leaves(n)

@@ -1,0 +1,406 @@
+"""The bench's ``train`` section: a whole training step (forward + backward + AdamW).
+
+An optimizer's step is only part of what a user pays: this section jits forward,
+backward and the optimizer step of (a) an MLP of 100 dense layers (200 leaves) and (b) a
+small pre-norm transformer language model (12 layers, 150 leaves), and times them with
+functorch_optim's AdamW (the default, and ``fused=False``), ``optax.adamw`` (jit,
+donated) and torch's AdamW (eager single-tensor, ``foreach``, ``fused``, and the
+``torch.compile``-d model with ``fused`` AdamW where it compiles), round-robin in one run.
+Reported per contender: step time, compile time (JAX: trace + compile of the whole step;
+also of forward + backward alone, so the optimizer's share is the difference; torch
+eager: none; ``torch.compile``: its first step minus a later one) and peak memory (JAX:
+from XLA's buffer assignment; torch on the CPU keeps no peak counter, so none).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import functorch_optim as fo
+from functorch_optim._bench import Contender, TorchSide, peak_memory_units, time_round_robin
+
+LR, WEIGHT_DECAY = 1e-3, 1e-2
+#: (width, batch) of the MLP; (d_model, heads, seq, batch, vocab) of the transformer
+FULL = {"mlp": (256, 64), "transformer": (128, 4, 64, 8, 512)}
+QUICK = {"mlp": (32, 8), "transformer": (32, 2, 16, 2, 64)}
+MLP_LAYERS, TRANSFORMER_LAYERS = 100, 12
+
+
+# --------------------------------------------------------------------------- the models
+
+
+def mlp_params(width: int, rng: np.random.Generator) -> dict[str, Any]:
+    scale = 1 / math.sqrt(width)
+    return {
+        f"l{i:03d}": {
+            "w": (rng.standard_normal((width, width)) * scale).astype(np.float32),
+            "b": np.zeros((width,), np.float32),
+        }
+        for i in range(MLP_LAYERS)
+    }
+
+
+def _lead(v: jax.Array, x: jax.Array) -> jax.Array:
+    """``v`` with leading unit axes up to ``x``'s rank: an explicit broadcast (the test
+    suite runs with ``jax_numpy_rank_promotion="raise"``)."""
+    return v.reshape((1,) * (x.ndim - v.ndim) + v.shape)
+
+
+def _affine(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    y = x @ w
+    return y + _lead(b, y)
+
+
+def mlp_loss(params: dict[str, Any], x: jax.Array, y: jax.Array) -> jax.Array:
+    names = sorted(params)
+    for i, name in enumerate(names):
+        x = _affine(x, params[name]["w"], params[name]["b"])
+        if i + 1 < len(names):
+            x = jnp.tanh(x)
+    return jnp.mean((x - y) ** 2)
+
+
+def transformer_params(d: int, vocab: int, seq: int, rng: np.random.Generator) -> dict[str, Any]:
+    def dense(n_in, n_out):
+        return (rng.standard_normal((n_in, n_out)) / math.sqrt(n_in)).astype(np.float32)
+
+    zeros, ones = (lambda n: np.zeros((n,), np.float32)), (lambda n: np.ones((n,), np.float32))
+    layers = {
+        f"h{i:02d}": {
+            "ln1_g": ones(d),
+            "ln1_b": zeros(d),
+            "qkv_w": dense(d, 3 * d),
+            "qkv_b": zeros(3 * d),
+            "out_w": dense(d, d),
+            "out_b": zeros(d),
+            "ln2_g": ones(d),
+            "ln2_b": zeros(d),
+            "fc_w": dense(d, 4 * d),
+            "fc_b": zeros(4 * d),
+            "proj_w": dense(4 * d, d),
+            "proj_b": zeros(d),
+        }
+        for i in range(TRANSFORMER_LAYERS)
+    }
+    return {
+        "embed": (rng.standard_normal((vocab, d)) * 0.02).astype(np.float32),
+        "pos": (rng.standard_normal((seq, d)) * 0.02).astype(np.float32),
+        "layers": layers,
+        "lnf_g": ones(d),
+        "lnf_b": zeros(d),
+        "head_w": dense(d, vocab),
+        "head_b": zeros(vocab),
+    }
+
+
+def _layer_norm(x, g, b):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * _lead(g, x) + _lead(b, x)
+
+
+def transformer_loss(params: dict[str, Any], tokens: jax.Array, heads: int) -> jax.Array:
+    x = params["embed"][tokens[:, :-1]]
+    x = x + _lead(params["pos"][: tokens.shape[1] - 1], x)
+    batch, seq, d = x.shape
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    for name in sorted(params["layers"]):
+        p = params["layers"][name]
+        h = _affine(_layer_norm(x, p["ln1_g"], p["ln1_b"]), p["qkv_w"], p["qkv_b"])
+        q, k, v = (t.reshape(batch, seq, heads, d // heads) for t in jnp.split(h, 3, axis=-1))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+        attn = jax.nn.softmax(jnp.where(_lead(causal, scores), scores, -1e9), axis=-1)
+        x = x + _affine(jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, seq, d), p["out_w"], p["out_b"])
+        h = jax.nn.gelu(
+            _affine(_layer_norm(x, p["ln2_g"], p["ln2_b"]), p["fc_w"], p["fc_b"]), approximate=False
+        )
+        x = x + _affine(h, p["proj_w"], p["proj_b"])
+    logits = _affine(_layer_norm(x, params["lnf_g"], params["lnf_b"]), params["head_w"], params["head_b"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def torch_model(torch: Any, kind: str, params: dict[str, Any], heads: int) -> Any:
+    """The same model in torch (the same initial values, parameters in the same count)."""
+    nn, F = torch.nn, torch.nn.functional
+
+    def linear(w, b):
+        layer = nn.Linear(*w.shape)
+        with torch.no_grad():
+            layer.weight.copy_(torch.as_tensor(w.T))
+            layer.bias.copy_(torch.as_tensor(b))
+        return layer
+
+    if kind == "mlp":
+        layers = []
+        for i, name in enumerate(sorted(params)):
+            layers.append(linear(params[name]["w"], params[name]["b"]))
+            if i + 1 < len(params):
+                layers.append(nn.Tanh())
+        return nn.Sequential(*layers)
+
+    def norm(g, b):
+        layer = nn.LayerNorm(g.shape[0], eps=1e-5)
+        with torch.no_grad():
+            layer.weight.copy_(torch.as_tensor(g))
+            layer.bias.copy_(torch.as_tensor(b))
+        return layer
+
+    class Block(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.ln1, self.qkv = norm(p["ln1_g"], p["ln1_b"]), linear(p["qkv_w"], p["qkv_b"])
+            self.out, self.ln2 = linear(p["out_w"], p["out_b"]), norm(p["ln2_g"], p["ln2_b"])
+            self.fc, self.proj = linear(p["fc_w"], p["fc_b"]), linear(p["proj_w"], p["proj_b"])
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = (
+                t.reshape(b, s, heads, d // heads).transpose(1, 2)
+                for t in self.qkv(self.ln1(x)).chunk(3, dim=-1)
+            )
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+            x = x + self.out(a)
+            return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(*params["embed"].shape)
+            with torch.no_grad():
+                self.embed.weight.copy_(torch.as_tensor(params["embed"]))
+            self.pos = nn.Parameter(torch.as_tensor(params["pos"]).clone())
+            self.blocks = nn.ModuleList(Block(params["layers"][n]) for n in sorted(params["layers"]))
+            self.lnf = norm(params["lnf_g"], params["lnf_b"])
+            self.head = linear(params["head_w"], params["head_b"])
+
+        def forward(self, tokens):
+            x = self.embed(tokens[:, :-1]) + self.pos[: tokens.shape[1] - 1]
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.lnf(x))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+    return LM()
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def _jax_contender(name, loss, tx, apply, params, batch, param_bytes):
+    """A jitted, donated ``(params, state, *batch) -> (params, state, loss)``; its compile
+    time and peak memory."""
+
+    def step(p, s, *b):
+        value, grads = jax.value_and_grad(loss)(p, *b)
+        p, s = apply(tx, p, grads, s)
+        return p, s, value
+
+    params = jax.tree.map(jnp.array, params)
+    state = tx.init(params)
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch).compile()
+    compile_s = time.perf_counter() - t0
+    box = {"p": params, "s": state}
+
+    def run():
+        box["p"], box["s"], value = compiled(box["p"], box["s"], *batch)
+        value.block_until_ready()
+
+    memory = peak_memory_units(compiled, param_bytes)
+    return Contender(name, run, memory=memory, extra={"compile_s": compile_s})
+
+
+def _fo_apply(tx, p, g, s):
+    return fo.step(tx, p, g, s)
+
+
+def _optax_apply(tx, p, g, s):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+
+def _torch_contenders(torch: TorchSide | None, kind, params, heads, batch, log) -> list[Contender]:
+    if torch is None or torch.device != "cpu":
+        return []
+    t = torch.torch
+    if kind == "mlp":
+        x, y = (t.as_tensor(np.array(a)) for a in batch)  # a writable copy
+        forward = lambda model: t.mean((model(x) - y) ** 2)
+    else:
+        tokens = t.as_tensor(np.array(batch[0]), dtype=t.long)
+        forward = lambda model: model(tokens)
+    out = []
+    flavours = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    for flavour, flags in [*flavours.items(), ("compile fused", {"fused": True})]:
+        model = torch_model(t, kind, params, heads)
+        opt = t.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **flags)
+        extra: dict[str, Any] = {}
+        if flavour == "compile fused":
+            try:
+                model = t.compile(model)
+            except Exception as error:  # pragma: no cover - no torch.compile here
+                log(f"train {kind}: torch.compile unavailable ({type(error).__name__}: {error})")
+                continue
+
+        def run(model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            forward(model).backward()
+            opt.step()
+
+        if flavour == "compile fused":
+            try:
+                t0 = time.perf_counter()
+                run()
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                run()
+                extra["compile_s"] = first - (time.perf_counter() - t0)
+            except Exception as error:  # the compiler failed on this machine: no row
+                log(f"train {kind}: torch.compile failed ({type(error).__name__}: {str(error)[:200]})")
+                continue
+        out.append(Contender(f"torch {flavour}", run, extra=extra))
+    return out
+
+
+def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int = 1) -> list[dict[str, Any]]:
+    """The whole-step rows: one per model."""
+    sizes = QUICK if quick else FULL
+    torch = _torch_side()
+    rows = []
+    for kind in ("mlp", "transformer"):
+        rng = np.random.default_rng(0)
+        if kind == "mlp":
+            width, batch_size = sizes["mlp"]
+            params = mlp_params(width, rng)
+            batch = (
+                jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32),
+                jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32),
+            )
+            loss, heads, shape = mlp_loss, 0, {"layers": MLP_LAYERS, "width": width, "batch": batch_size}
+        else:
+            d, heads, seq, batch_size, vocab = sizes["transformer"]
+            params = transformer_params(d, vocab, seq + 1, rng)
+            batch = (jnp.asarray(rng.integers(0, vocab, (batch_size, seq + 1)), jnp.int32),)
+            loss = lambda p, tokens, heads=heads: transformer_loss(p, tokens, heads)
+            shape = {"layers": TRANSFORMER_LAYERS, "d_model": d, "heads": heads, "seq": seq}
+            shape |= {"batch": batch_size, "vocab": vocab}
+        leaves = jax.tree.leaves(params)
+        n_params = sum(x.size for x in leaves)
+        param_bytes = sum(x.nbytes for x in leaves)
+        log(f"train {kind}: {len(leaves)} leaves, {n_params:,} params")
+        t0 = time.perf_counter()
+        jax.jit(jax.value_and_grad(loss)).lower(jax.tree.map(jnp.asarray, params), *batch).compile()
+        fwd_bwd_compile = time.perf_counter() - t0
+        contenders = [
+            _jax_contender(
+                "fo adamw",
+                loss,
+                fo.adamw(LR, weight_decay=WEIGHT_DECAY),
+                _fo_apply,
+                params,
+                batch,
+                param_bytes,
+            ),
+            _jax_contender(
+                "fo adamw fused=False",
+                loss,
+                fo.adamw(LR, weight_decay=WEIGHT_DECAY, fused=False),
+                _fo_apply,
+                params,
+                batch,
+                param_bytes,
+            ),
+            _jax_contender(
+                "optax adamw",
+                loss,
+                optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+                _optax_apply,
+                params,
+                batch,
+                param_bytes,
+            ),
+            *_torch_contenders(torch, kind, params, heads, batch, log),
+        ]
+        timings = time_round_robin(contenders, reps, settle=settle)
+        times = {c.name: 1e3 * timings[c.name]["median_s"] for c in contenders}
+        compile_s = {c.name: c.extra["compile_s"] for c in contenders if "compile_s" in c.extra}
+        row = {
+            "model": kind,
+            "leaves": len(leaves),
+            "params": int(n_params),
+            "shape": shape,
+            "times_ms": times,
+            "spread": {c.name: timings[c.name]["spread"] for c in contenders},
+            "compile_s": compile_s,
+            "fwd_bwd_compile_s": fwd_bwd_compile,
+            "optimizer_compile_s": {
+                k: v - fwd_bwd_compile for k, v in compile_s.items() if not k.startswith("torch")
+            },
+            "memory_x_params": {c.name: c.memory for c in contenders if c.memory is not None},
+            "peak_mb": {c.name: c.memory * param_bytes / 2**20 for c in contenders if c.memory is not None},
+        }
+        row["ratios"] = {
+            "fo/optax": times["fo adamw"] / times["optax adamw"],
+            "fo fused=False/optax": times["fo adamw fused=False"] / times["optax adamw"],
+        }
+        if "torch fused" in times:
+            row["ratios"]["fo/torch fused"] = times["fo adamw"] / times["torch fused"]
+        rows.append(row)
+    return rows
+
+
+def _torch_side() -> TorchSide | None:
+    from functorch_optim._bench import _torch
+
+    return _torch()
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    names = list(rows[0]["times_ms"])
+    for r in rows[1:]:
+        names += [n for n in r["times_ms"] if n not in names]
+    fmt = lambda x, spec=".2f": "—" if x is None else format(x, spec)
+    lines = [
+        "### Whole training step: forward + backward + AdamW, float32 (median ms)",
+        "",
+        "| model | leaves | params | " + " | ".join(names) + " | fo / optax | fo fused=False / optax "
+        "| fo / torch fused |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|",
+    ]
+    for r in rows:
+        t, q = r["times_ms"], r["ratios"]
+        lines.append(
+            f"| {r['model']} | {r['leaves']} | {r['params']:,} | "
+            + " | ".join(fmt(t.get(n)) for n in names)
+            + f" | {fmt(q['fo/optax'])} | {fmt(q['fo fused=False/optax'])} | {fmt(q.get('fo/torch fused'))} |"
+        )
+    lines += [
+        "",
+        "Compile time (s; JAX: the whole jitted step, and the optimizer's share: minus forward + "
+        "backward alone; torch.compile: first step minus a later one) and peak memory (XLA's "
+        "buffer assignment, MiB and × the parameters' size; torch on the CPU has no peak counter):",
+        "",
+        "| model | contender | compile s | optimizer's share s | peak MiB | peak ×P |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for n in names:
+            if n not in r["times_ms"]:
+                continue
+            lines.append(
+                f"| {r['model']} | {n} | {fmt(r['compile_s'].get(n))} "
+                f"| {fmt(r['optimizer_compile_s'].get(n))} | {fmt(r['peak_mb'].get(n), '.1f')} "
+                f"| {fmt(r['memory_x_params'].get(n))} |"
+            )
+        lines.append(f"| {r['model']} | forward + backward alone | {fmt(r['fwd_bwd_compile_s'])} | | | |")
+    return lines
