@@ -115,18 +115,11 @@ def adagrad(
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; every step is differentiable.
-      fused: default None: the one-pass CPU kernel wherever it applies (the CPU backend,
-        float32/float64 parameters of at least 8192 elements
-        (``_fused.AUTO_MIN_SIZE``; smaller ones take the jitted rule) not split by an
-        explicit-sharding mesh, one CPU
-        device: with several, automatic sharding could split them), as torch
-        picks its fastest exact path by default; ``False`` always runs the jitted rule,
-        ``True`` also where several CPU devices exist. The kernel reads every input once and writes
-        in place (built with the package; see the performance guide) and its results are
-        bit-identical to ``fused=False``; ``jax.grad``/``jax.jvp`` through a step
-        differentiate the jitted rule. On GPU/TPU and for other dtypes the jitted rule
-        runs. ``True`` takes the kernel with several CPU devices too (it has no
-        partitioning rule: under automatic sharding XLA gathers each parameter).
+      fused: default None: the one-pass CPU kernel for float32/float64 parameters of at
+        least ``_fused.AUTO_MIN_SIZE`` (8192) elements where it applies, the jitted rule for
+        the rest; ``False``: always the rule; ``True``: the kernel for every such parameter,
+        with several CPU devices too. Bit-identical either way; ``jax.grad``/``jax.jvp``
+        differentiate the rule (performance guide, "The fused CPU kernels").
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with

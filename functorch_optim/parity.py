@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -1367,10 +1368,9 @@ def _enable_compilation_cache() -> str:
       The cache directory: ``jax_compilation_cache_dir`` when set, else
       ``$FUNCTORCH_OPTIM_CACHE/xla`` (default ``~/.cache/functorch_optim/xla``).
     """
-    from functorch_optim._fused import _cache_dir
-
     if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(_cache_dir() / "xla"))
+        root = Path(os.environ.get("FUNCTORCH_OPTIM_CACHE", Path.home() / ".cache" / "functorch_optim"))
+        jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
         # a step compiles in well under the default threshold of one second
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return jax.config.jax_compilation_cache_dir

@@ -179,10 +179,7 @@ def test_float32_tensor_lr_like_torch(name, fused):
             opt.step()
             params, state = step(params, {"w": jnp.asarray(g)}, state)
         worst = max(worst, rel_err(params["w"], t.detach().numpy()))
-    # Adam/AdamW's float32 scalars hold torch's float32 sqrt (bias_correction2.sqrt()),
-    # 1 ulp off on some CPUs (tests.helpers.torch_float32_sqrt_is_exact); NAdam's none
-    exact = torch_float32_sqrt_is_exact() or name == "nadam"
-    assert worst <= (1e-15 if exact else FLOAT32_SQRT_RTOL), worst
+    assert worst <= 1e-15, worst
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
