@@ -149,6 +149,18 @@ FLOAT32_LR_CASES = [
 ]
 
 
+def _rel_err_after_steps(t, opt, tx, p0, grads):
+    """Both optimizers over the same gradients (ours jitted): the params' relative error."""
+    params = {"w": jnp.asarray(p0)}
+    state = tx.init(params)
+    step = jax.jit(functools.partial(fo.step, tx))
+    for g in grads:
+        t.grad = torch.tensor(g)
+        opt.step()
+        params, state = step(params, {"w": jnp.asarray(g)}, state)
+    return rel_err(params["w"], t.detach().numpy())
+
+
 @pytest.mark.parametrize(
     "name,fused", FLOAT32_LR_CASES, ids=[f"{n}-fused" if f else n for n, f in FLOAT32_LR_CASES]
 )
@@ -171,14 +183,7 @@ def test_float32_tensor_lr_like_torch(name, fused):
         flags = {"fused": True} if fused else {}
         opt = getattr(torch.optim, spec.torch_name)([t], lr=t_lr, foreach=False, **config)
         tx = spec.factory(lr=jnp.asarray(t_lr.numpy()), **flags, **config)
-        params = {"w": jnp.asarray(p0)}
-        state = tx.init(params)
-        step = jax.jit(functools.partial(fo.step, tx))
-        for g in grads:
-            t.grad = torch.tensor(g)
-            opt.step()
-            params, state = step(params, {"w": jnp.asarray(g)}, state)
-        worst = max(worst, rel_err(params["w"], t.detach().numpy()))
+        worst = max(worst, _rel_err_after_steps(t, opt, tx, p0, grads))
     assert worst <= 1e-15, worst
 
 
@@ -201,14 +206,7 @@ def test_differentiable_step_scalars_like_torch(name, tensor_lr):
         cls = getattr(torch.optim, spec.torch_name)
         opt = cls([t], lr=t_lr, differentiable=True, foreach=False, **config)
         tx = spec.factory(lr=np.asarray(lr) if tensor_lr else lr, differentiable=True, **config)
-        params = {"w": jnp.asarray(p0)}
-        state = tx.init(params)
-        step = jax.jit(functools.partial(fo.step, tx))
-        for g in grads:
-            t.grad = torch.tensor(g)
-            opt.step()
-            params, state = step(params, {"w": jnp.asarray(g)}, state)
-        worst = max(worst, rel_err(params["w"], t.detach().numpy()))
+        worst = max(worst, _rel_err_after_steps(t, opt, tx, p0, grads))
     # Adam/AdamW's float32 scalars hold torch's float32 sqrt (bias_correction2.sqrt()),
     # 1 ulp off on some CPUs (tests.helpers.torch_float32_sqrt_is_exact); NAdam's none
     exact = torch_float32_sqrt_is_exact() or name == "nadam"
