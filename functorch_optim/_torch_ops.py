@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _STAGED
 
 from functorch_optim._tree import opmath_dtype
 
@@ -95,6 +96,14 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     Where ``a * b + c`` is not finite (or underflows) it is the plain expression.
     """
     a, b, c = jnp.broadcast_arrays(*(jnp.asarray(x) for x in (a, b, c)))
+    if all(isinstance(x, _STAGED) for x in (a, b, c)):
+        # being staged into a jit: traced once per shape and dtype, its equations
+        # inlined where it is called (the same program as tracing it at every call)
+        return _staged_fma(a, b, c)
+    return _fma(a, b, c)
+
+
+def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     plain = a * b + c
     p = a * b
     ah, al = _split(a)
@@ -111,6 +120,9 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     tiny = jnp.finfo(a.dtype).tiny / jnp.finfo(a.dtype).eps
     usable = jnp.isfinite(plain) & jnp.isfinite(p) & (jnp.abs(p) > tiny)
     return jnp.where(usable, exact, plain)
+
+
+_staged_fma = jax.jit(_fma, inline=True)
 
 
 def rdiv(number: Any, tensor: jax.Array) -> jax.Array:

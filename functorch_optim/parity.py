@@ -905,7 +905,39 @@ def _build_schedule(factory: Callable[..., Any], base_lr: float, config: Mapping
     return factory(**config, lr=base_lr)
 
 
-def _scheduler_row(spec, config, steps, rtol) -> ParityRow:
+def _scheduler_rows(work, steps, rtol, done) -> list[ParityRow]:
+    """The scheduler rows of ``work`` (``(spec, config)`` pairs), in order.
+
+    The schedules of ``functorch_optim.schedules`` take their steps in one compiled
+    program (``schedules._core.values_of``: a scan each), where ``values`` compiles one
+    per row; the same numbers. Anything else (a ``parity`` method, another ``values``,
+    a plain callable), and every row if that program fails, runs on its own.
+    """
+    from functorch_optim.schedules._core import Schedule, values_of
+
+    built: dict[int, Any] = {}
+    for i, (spec, config) in enumerate(work):
+        if hasattr(spec, "parity"):
+            continue
+        try:
+            schedule = _build_schedule(spec.factory, float(getattr(spec, "base_lr", 0.1)), config)
+        except Exception:  # reported by its row
+            continue
+        if type(schedule).values is Schedule.values:
+            built[i] = schedule
+    try:
+        ours = dict(zip(built, values_of(list(built.values()), steps), strict=True))
+    except Exception:  # attribute the failure to its row: each row on its own
+        ours = {}
+    rows = []
+    for i, (spec, config) in enumerate(work):
+        rows.append(_scheduler_row(spec, config, steps, rtol, ours.get(i)))
+        done(spec.torch_name)
+    return rows
+
+
+def _scheduler_row(spec, config, steps, rtol, ours=None) -> ParityRow:
+    """One scheduler row; ``ours``: our learning rates, computed already (else here)."""
     row = ParityRow("scheduler", spec.torch_name, dict(config), steps)
     t0 = time.perf_counter()
     try:
@@ -913,11 +945,14 @@ def _scheduler_row(spec, config, steps, rtol) -> ParityRow:
             ours, ref = spec.parity(dict(config), steps)
         else:
             base_lr = float(getattr(spec, "base_lr", 0.1))
-            schedule = _build_schedule(spec.factory, base_lr, config)
-            if hasattr(schedule, "values"):
-                ours = np.asarray(schedule.values(steps), np.float64).reshape(-1)
+            if ours is None:
+                schedule = _build_schedule(spec.factory, base_lr, config)
+                if hasattr(schedule, "values"):
+                    ours = np.asarray(schedule.values(steps), np.float64).reshape(-1)
+                else:
+                    ours = [float(schedule(jnp.asarray(t))) for t in range(steps + 1)]
             else:
-                ours = [float(schedule(jnp.asarray(t))) for t in range(steps + 1)]
+                ours = np.asarray(ours, np.float64).reshape(-1)
             ref = _torch_lrs(spec.torch_name, config, base_lr, steps)
         a, b = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
         row.rel_f64 = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
@@ -1040,16 +1075,18 @@ def run_parity(
             done(spec.torch_name)
         return out
 
-    def scheduler_rows(spec: Any, config: dict[str, Any]) -> list[ParityRow]:
-        row = _scheduler_row(spec, config, steps, rtol)
-        done(spec.torch_name)
-        return [row]
-
     jobs = [functools.partial(optimizer_rows, spec, configs) for spec, configs in tasks]
-    jobs += [functools.partial(scheduler_rows, spec, config) for spec, config in sched_work]
+    if sched_work:  # every scheduler row in one job: their steps are one compiled program
+        jobs.append(functools.partial(_scheduler_rows, sched_work, steps, rtol, done))
     # the largest first (a closure-driven optimizer compiles a whole minimisation per
-    # step), so that no thread is left with a long job while the others idle at the end
-    order = sorted(range(len(jobs)), key=lambda i: not (i < len(tasks) and _is_closure(tasks[i][0])))
+    # step; then the schedulers), so that no thread is left with a long job while the
+    # others idle at the end
+    def rank(i: int) -> int:
+        if i >= len(tasks):
+            return 1
+        return 0 if _is_closure(tasks[i][0]) else 2
+
+    order = sorted(range(len(jobs)), key=rank)
     with _torch_threads(1), _count_programs() as programs:
         if workers == 1:
             results = {i: jobs[i]() for i in order}

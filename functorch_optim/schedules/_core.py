@@ -288,14 +288,7 @@ class Schedule:
 
     def values(self, n: int) -> np.ndarray:
         """The values after 0, 1, ..., ``n`` steps (torch's ``get_last_lr()`` sequence)."""
-        value, state = self.init_schedule()
-        if n <= 16:  # op by op: no compilation for a short look
-            out = [value]
-            for _ in range(n):
-                value, state = self.step_schedule(value, state)
-                out.append(value)
-            return np.asarray(jnp.stack([jnp.asarray(v) for v in out]))
-        return np.asarray(_run(self, value, state, int(n)))
+        return values_of([self], n)[0]
 
     def __call__(self, count: Any) -> jax.Array:
         value, state = self.init_schedule()
@@ -306,17 +299,45 @@ class Schedule:
         return jax.lax.fori_loop(0, count, body, (value, state))[0]
 
 
-def _run(sched: Schedule, value: Any, state: Any, n: int) -> jax.Array:
-    def body(carry, _):
-        v, s = sched.step_schedule(*carry)
-        return (v, s), v
+def values_of(schedules: Sequence[Schedule], n: int) -> list[np.ndarray]:
+    """``[s.values(n) for s in schedules]``, the steps of all in one compiled program.
 
-    @jax.jit
-    def scan(value, state):
+    Each schedule starts op by op (``init_schedule``, as an optimizer built with it does)
+    and takes its ``n`` steps in a ``lax.scan`` of its own; the scans of all schedules
+    are one program, compiled once, where a program per schedule costs a compilation
+    each (the parity report's scheduler rows). Up to 16 steps run op by op: no
+    compilation for a short look.
+    """
+    starts = [s.init_schedule() for s in schedules]
+    if n <= 16:
+        out = []
+        for sched, (value, state) in zip(schedules, starts, strict=True):
+            seq = [value]
+            for _ in range(n):
+                value, state = sched.step_schedule(value, state)
+                seq.append(value)
+            out.append(np.asarray(jnp.stack([jnp.asarray(v) for v in seq])))
+        return out
+    rests = _run(list(schedules), starts, int(n))
+    return [
+        np.asarray(jnp.concatenate([jnp.asarray(value)[None], rest]))
+        for (value, _), rest in zip(starts, rests, strict=True)
+    ]
+
+
+def _run(schedules: list[Schedule], starts: list[tuple[Any, Any]], n: int) -> list[jax.Array]:
+    def steps(sched, value, state):
+        def body(carry, _):
+            v, s = sched.step_schedule(*carry)
+            return (v, s), v
+
         return jax.lax.scan(body, (value, state), None, length=n)[1]
 
-    rest = scan(value, state)
-    return jnp.concatenate([jnp.asarray(value)[None], rest])
+    @jax.jit
+    def scan(starts):
+        return [steps(s, v, st) for s, (v, st) in zip(schedules, starts, strict=True)]
+
+    return scan(starts)
 
 
 def _check_count(name: str, value: Any) -> int:
