@@ -923,7 +923,7 @@ def _scheduler_rows(work, steps, rtol, done) -> list[ParityRow]:
             schedule = _build_schedule(spec.factory, float(getattr(spec, "base_lr", 0.1)), config)
         except Exception:  # reported by its row
             continue
-        if type(schedule).values is Schedule.values:
+        if getattr(type(schedule), "values", None) is Schedule.values:
             built[i] = schedule
     try:
         ours = dict(zip(built, values_of(list(built.values()), steps), strict=True))
@@ -1078,6 +1078,7 @@ def run_parity(
     jobs = [functools.partial(optimizer_rows, spec, configs) for spec, configs in tasks]
     if sched_work:  # every scheduler row in one job: their steps are one compiled program
         jobs.append(functools.partial(_scheduler_rows, sched_work, steps, rtol, done))
+
     # the largest first (a closure-driven optimizer compiles a whole minimisation per
     # step; then the schedulers), so that no thread is left with a long job while the
     # others idle at the end

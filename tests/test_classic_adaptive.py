@@ -514,6 +514,32 @@ def test_fma_is_rounded_once_in_eager_and_jit():
                     assert err <= abs(Fraction(float(n)) - e)
 
 
+def test_fma_inside_jit_is_traced_once_per_shape_and_dtype_into_the_same_program(monkeypatch):
+    from functorch_optim import _torch_ops
+
+    calls = []
+    body = _torch_ops._fma
+
+    def counted(a, b, c):
+        calls.append(a.shape)
+        return body(a, b, c)
+
+    def program(a, b):
+        x = _torch_ops.fma(a, b, a)
+        for _ in range(3):
+            x = _torch_ops.fma(x, b, a)
+        return x, _torch_ops.fma(a[0], b[0], a[0])
+
+    args = (jnp.arange(3.0), jnp.ones(3))
+    monkeypatch.setattr(_torch_ops, "_staged_fma", jax.jit(counted, inline=True))
+    staged = jax.jit(program).lower(*args).as_text()
+    assert calls == [(3,), ()]  # five calls, two shapes
+    # traced at every call instead (as outside jit): the same program, op for op
+    monkeypatch.setattr(_torch_ops, "_STAGED", type(None))
+    assert jax.jit(program).lower(*args).as_text() == staged
+    assert len(calls) == 2
+
+
 def test_rmsprop_momentum_zero_keeps_no_buffer():
     state = fo.rmsprop(lr=0.1).init({"w": jnp.zeros(3)})
     assert set(state.buffers) == {"step", "square_avg"}

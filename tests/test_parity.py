@@ -327,6 +327,31 @@ def test_scheduler_rows(monkeypatch):
     ]
 
 
+def test_scheduler_rows_take_their_steps_in_one_program(monkeypatch):
+    from functorch_optim import schedules
+
+    def broken(lr, step_size):
+        raise ValueError("no schedule today")
+
+    specs = [
+        parity.SchedulerSpec("StepLR", schedules.step_lr, ({"step_size": 3, "gamma": 0.5}, {"step_size": 7})),
+        parity.SchedulerSpec("StepLR", broken, ({"step_size": 3},)),
+        parity.SchedulerSpec(
+            "CosineAnnealingLR", schedules.cosine_annealing_lr, ({"T_max": 7, "eta_min": 0.01},)
+        ),
+    ]
+    monkeypatch.setattr(parity, "_scheduler_specs", lambda: specs)
+    with parity._count_programs() as programs:
+        result = parity.run_parity(only=["StepLR", "CosineAnnealingLR"], steps=20, progress=False)
+    assert [r.verdict for r in result.rows] == ["match", "match", "ERROR", "match"]
+    assert result.rows[2].error == "ValueError: no schedule today"
+    assert programs.built["jit(scan)"] == 1  # the three schedules' scans: one program
+    for row in (result.rows[0], result.rows[1], result.rows[3]):
+        spec = next(s for s in specs if s.torch_name == row.name and s.factory is not broken)
+        alone = parity._scheduler_row(spec, row.config, 20, parity.DEFAULT_RTOL)
+        assert (alone.verdict, alone.rel_f64) == (row.verdict, row.rel_f64)
+
+
 def test_scheduler_grid_is_valid_for_torch():
     import torch
 

@@ -303,6 +303,26 @@ def test_eager_construction_and_jitted_steps_match_the_batched_run(our_sequences
         assert np.max(np.abs(got - our_sequences[name, "lr"])) <= 1e-15
 
 
+def test_values_of_many_schedules_equals_each_values():
+    """One compiled program for the steps of many schedules: each one's numbers, bit for bit."""
+    from functorch_optim.schedules._core import values_of
+
+    scheds = [
+        S.cosine_annealing_lr(LRS, 7, 0.01),
+        S.one_cycle_lr(0.5, total_steps=60, anneal_strategy="linear", three_phase=True),
+        S.cyclic_lr(0.01, 0.1, step_size_up=5, mode="exp_range", gamma=0.9),
+        S.step_lr(0.1, 3, gamma=0.5),
+    ]
+    for n in (5, 16, 17, 40):
+        got = values_of(scheds, n)
+        assert len(got) == len(scheds)
+        for sched, values in zip(scheds, got, strict=True):
+            alone = sched.values(n)
+            assert values.dtype == alone.dtype and values.shape == alone.shape == (n + 1, *alone.shape[1:])
+            assert values.tobytes() == alone.tobytes()
+    assert values_of([], 20) == []
+
+
 def test_scalar_schedule_equals_group_entry_and_count_replay():
     both = S.cosine_annealing_lr(LRS, 37, 0.001).values(100)
     one = S.cosine_annealing_lr(LRS[1], 37, 0.001)

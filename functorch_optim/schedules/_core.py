@@ -309,6 +309,8 @@ def values_of(schedules: Sequence[Schedule], n: int) -> list[np.ndarray]:
     compilation for a short look.
     """
     starts = [s.init_schedule() for s in schedules]
+    if not starts:
+        return []
     if n <= 16:
         out = []
         for sched, (value, state) in zip(schedules, starts, strict=True):
