@@ -995,9 +995,9 @@ def run_parity(
     thread only waits for a busy core), restored afterwards.
 
     The rows run on ``workers`` threads, one optimizer (all its rows, which share
-    compiled steps) or one scheduler row at a time each: most of a cold report is XLA
-    compiling steps, which releases Python's lock, so one thread compiles while another
-    runs torch and compares. Every row computes the same numbers on any number of
+    compiled steps) or all scheduler rows (one program) at a time each: most of a cold
+    report is XLA compiling steps, which releases Python's lock, so one thread compiles
+    while another runs torch and compares. Every row computes the same numbers on any number of
     threads; the rows come back in registry order.
 
     Args:
