@@ -533,7 +533,9 @@ def grad_accumulate(
         return execute(open_call(grads, state, params, extra_args), params, grads, state, extra_args)
 
     def flush_fn(params, state, **extra_args):
-        check_like_params(params, state.acc_grads)
+        # each accumulator in its parameter's accumulation dtype (float32 for bf16)
+        acc_like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _acc_dtype(p.dtype)), params)
+        check_like_params(acc_like, state.acc_grads, "state.acc_grads")
         if every == 1:
             return params, state  # every window is closed by its own call
         grads = jax.tree.map(lambda _: None, params)

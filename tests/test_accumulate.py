@@ -535,3 +535,22 @@ def test_flush_errors_and_every_one():
     params, state = fo.step(tx, params, {"w": jnp.ones(1)}, tx.init(params))
     p, s = fo.flush(tx, params, state)
     assert p is params and s is state
+
+
+def test_flush_takes_bf16_params_whose_accumulator_is_float32():
+    # the accumulator of a bf16 parameter is float32: flush compared it with the params'
+    # dtype and refused every bf16 state ("grads at ['w'] has dtype float32")
+    tx = fo.grad_accumulate(fo.sgd(lr=1.0, fused=False), every=4)
+    params = {"w": jnp.asarray([1.0, 2.0], jnp.bfloat16), "skip": None}
+    state = tx.init(params)
+    for g in (0.5, 0.25):
+        params, state = fo.step(tx, params, {"w": jnp.asarray([g, g], jnp.bfloat16), "skip": None}, state)
+    assert state.acc_grads["w"].dtype == jnp.float32
+    params, state = jax.jit(lambda p, s: fo.flush(tx, p, s))(params, state)
+    # the mean of the two calls, 0.375, stepped on in bf16
+    assert params["w"].dtype == jnp.bfloat16 and params["w"].tolist() == [0.625, 1.625]
+    assert bool(state.stepped) and int(state.mini_step) == 0
+    with pytest.raises(
+        ValueError, match=r"state.acc_grads at \['w'\] has shape \(2,\), but the parameter has shape \(3,\)"
+    ):
+        fo.flush(tx, {"w": jnp.zeros(3, jnp.bfloat16), "skip": None}, state)
