@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functorch_optim._base import STEP_ATTR, WINDOW_ATTR
+from functorch_optim._base import STEP_ATTR, WINDOW_ATTR, _all_staged
 from functorch_optim._base import step as _step
 from functorch_optim._fused import Window, kernel_or_rule, window_scale
 from functorch_optim._sharding import sharded_init
@@ -205,43 +205,26 @@ class _Window:
     def divisor(self) -> int | None:
         return self.every if self.reduction == "mean" else None
 
-    def add(self, grads: PyTree, acc: PyTree, call: _Call) -> PyTree:
-        """The accumulator after this call's gradient is added in (or, on a window's
-        first call, written over the previous sum); a ``None`` or masked-off gradient
-        adds nothing."""
-        fresh, weight = call.fresh, call.weight
-
-        def add(g, a, m):
-            kept = jnp.where(fresh, jnp.zeros_like(a), a)
-            if g is None:
-                return kept
-            g = g.astype(a.dtype)
-            if weight is None:
-                added = jnp.where(fresh, g, a + g)
-            else:
-                added = kept + g * weight.astype(a.dtype)
-            # grad_mask off: as if the gradient were None
-            return added if m is None else jnp.where(m, added, kept)
-
-        return _map_masked(add, grads, acc, call.mask)
-
-    def reduce(self, acc: PyTree, call: _Call) -> PyTree:
-        """What the closing call steps on: the sum divided by ``call.divisor`` (the
-        sum itself without one), written over the sum in the pass that adds the last
-        gradient in (a kernel that cannot fuse the division reads it from there, and no
-        parameter-sized temporary exists)."""
+    def accumulate(self, grads: PyTree, acc: PyTree, call: _Call) -> PyTree:
+        """The accumulator after this call (``_window_leaf`` per parameter): its gradient
+        added in (on a window's first call written over the previous sum; a ``None`` or
+        masked-off gradient adds nothing), and on the closing call divided by
+        ``call.divisor`` (the sum itself without one), in the same pass (a kernel that
+        cannot fuse the division reads it from there, and no parameter-sized temporary
+        exists)."""
         divisor = call.divisor
-        if divisor is None:
-            return acc
-        if isinstance(divisor, int):
-            return jax.tree.map(lambda a: jnp.where(call.stepping, a / divisor, a), acc)
+        static = divisor if divisor is None or isinstance(divisor, int) else "array"
         treedef = jax.tree.structure(acc)
-        return treedef.unflatten(
-            [
-                jnp.where(call.stepping, a * window_scale(divisor[i], a.dtype), a)
-                for i, a in enumerate(treedef.flatten_up_to(acc))
-            ]
-        )
+        g_leaves = treedef.flatten_up_to(grads)
+        masks = call.mask if call.mask is not None else [None] * len(g_leaves)
+        out = []
+        for i, (g, a, m) in enumerate(zip(g_leaves, treedef.flatten_up_to(acc), masks)):
+            d = divisor[i] if static == "array" else None
+            args = (g, a, m, call.fresh, call.weight, call.stepping, d)
+            # traced once per leaf signature inside ``jit`` (as ``_base.rule_step``)
+            leaf = _staged_window_leaf if _all_staged(args) else _window_leaf
+            out.append(leaf(static, *args))
+        return treedef.unflatten(out)
 
     def own(self, grads: PyTree, acc: PyTree, call: _Call) -> PyTree:
         """``every == 1``: the call's own gradient is the window's sum (None, masked
@@ -268,6 +251,36 @@ class _Window:
         return lambda inner: GradAccumulateState(mini, count, acc, call.seen, inner, call.weight_sum)
 
 
+def _window_leaf(divisor: Any, g, a, m, fresh, weight, stepping, d) -> jax.Array:
+    """``_Window.accumulate`` for one parameter: ``g`` its gradient (or None), ``a`` its
+    accumulator, ``m`` its ``grad_mask`` flag (or None); ``divisor`` the static part of
+    the window's divisor (None, ``every``, or ``"array"``: ``d`` is this parameter's)."""
+
+    def kept():
+        return jnp.where(fresh, jnp.zeros_like(a), a)
+
+    if g is None:
+        added = kept()
+    else:
+        g = g.astype(a.dtype)
+        if weight is None:
+            added = jnp.where(fresh, g, a + g)
+        else:
+            added = kept() + g * weight.astype(a.dtype)
+        # grad_mask off: as if the gradient were None
+        added = added if m is None else jnp.where(m, added, kept())
+    if divisor is None:
+        return added
+    if isinstance(divisor, int):
+        return jnp.where(stepping, added / divisor, added)
+    return jnp.where(stepping, added * window_scale(d, added.dtype), added)
+
+
+#: ``_window_leaf`` as a nested ``jit``: a call over 1000 equal leaves traces and lowers
+#: it once; XLA inlines the calls before it optimizes (the same compiled step).
+_staged_window_leaf = jax.jit(_window_leaf, static_argnums=0)
+
+
 # ----------------------------------------------------------------- the execution strategies
 # Each runs one call under the policy and returns ``(carry, acc)``; ``carry`` is what the
 # inner step moves (``(params, inner_state)`` or ``(updates, inner_state)``), ``step(carry,
@@ -292,7 +305,7 @@ def _looped(policy, call, grads, acc, carry, step, params, *, loop):
     transformation keeps a few scalars, not one per parameter: a conditional costs no
     per-parameter copies there, and XLA simplifies its arithmetic inside a conditional
     as before; a loop body can round differently in the last bit)."""
-    acc = policy.reduce(policy.add(grads, acc, call), call)
+    acc = policy.accumulate(grads, acc, call)
 
     def fn(c):
         return step(c, _as_param_dtype(acc, params), call)
@@ -520,7 +533,9 @@ def grad_accumulate(
         return execute(open_call(grads, state, params, extra_args), params, grads, state, extra_args)
 
     def flush_fn(params, state, **extra_args):
-        check_like_params(params, state.acc_grads)
+        # each accumulator in its parameter's accumulation dtype (float32 for bf16)
+        acc_like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _acc_dtype(p.dtype)), params)
+        check_like_params(acc_like, state.acc_grads, "state.acc_grads")
         if every == 1:
             return params, state  # every window is closed by its own call
         grads = jax.tree.map(lambda _: None, params)
