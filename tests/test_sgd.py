@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import functorch_optim as fo
+from functorch_optim._base import changeable_hparams
 from functorch_optim._registry import get_spec
 from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, run_torch, to_jax
 
@@ -254,7 +255,10 @@ def test_buffer_created_on_first_step_with_momentum_like_torch(fused, dtype):
     momenta = [0.0, 0.9, 0.0, 0.9, 0.9, 0.0]
     tensors = [torch.tensor(params[k]) for k in ("a", "b")]
     opt = torch.optim.SGD(tensors, lr=0.1, momentum=0.9, dampening=0.5, foreach=False)
-    tx = fo.sgd(lr=0.1, momentum=0.9, dampening=0.5, fused=fused)
+    # momentum moves across 0 at run time: the changeable build (the facade's, on such a
+    # param_groups edit), since a nonzero number is compiled in (Algorithm.fixed_nonzero)
+    with changeable_hparams():
+        tx = fo.sgd(lr=0.1, momentum=0.9, dampening=0.5, fused=fused)
     ours = to_jax(params)
     state = tx.init(ours)
     step = jax.jit(functools.partial(fo.step, tx))
