@@ -11,6 +11,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_weight_decay
+from functorch_optim._hyperparams import fixed
 from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
 
 
@@ -30,6 +31,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 
     def effective_grad(param, grad):
         grad = signed_grad(grad, dtype, static["maximize"])
+        if fixed(static, "weight_decay") == "zero":  # built with the number 0: no param read
+            return grad
         return jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
 
     def delta(param, grad, square_avg, acc_delta):
@@ -74,6 +77,7 @@ ADADELTA_ALGORITHM = Algorithm(
     init_leaf=zero_buffers("square_avg", "acc_delta"),
     step_leaf=_step_leaf,
     reads_step=False,
+    fixed_zero=("weight_decay",),
 )
 
 
@@ -112,6 +116,9 @@ def adadelta(
       rho: decay :math:`\rho` of both running averages, default 0.9.
       eps: term :math:`\epsilon` added inside both square roots, default 1e-6.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+        Built as the number 0, the decay is compiled out (no read of the parameter for
+        it) and ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps
+        it changeable (performance guide, "A weight decay built as 0 is compiled in").
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       capturable: accepted for torch compatibility; no effect (every step is jittable).
       maximize: maximize the objective instead of minimizing, default False (static).

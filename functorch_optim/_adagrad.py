@@ -18,7 +18,7 @@ from functorch_optim._checks import (
     tensor_lr_dtype,
 )
 from functorch_optim._fused import adagrad_kernel, fused_algorithm
-from functorch_optim._hyperparams import to_python
+from functorch_optim._hyperparams import fixed, to_python
 from functorch_optim._torch_ops import lr_over, op_casts, signed_grad
 
 
@@ -44,8 +44,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     c, a, _ = op_casts(dtype)
     grad = signed_grad(grad, dtype, static["maximize"])
     wd = hp["weight_decay"]
-    # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
-    grad = jnp.where(wd != 0, (c(grad) + a(wd) * c(param)).astype(dtype), grad)
+    # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)`` (decided
+    # here for a weight_decay built as the number 0: then no read of the param for it)
+    if fixed(static, "weight_decay") != "zero":
+        grad = jnp.where(wd != 0, (c(grad) + a(wd) * c(param)).astype(dtype), grad)
     # torch reads ``step`` as a Python float: the decayed rate is a double
     lr = hp["lr"]
     # a tensor lr: in its dtype
@@ -67,6 +69,7 @@ ADAGRAD_ALGORITHM = Algorithm(
     init_leaf=_init_leaf,
     step_leaf=_step_leaf,
     torch_state_at_init=True,
+    fixed_zero=("weight_decay",),
 )
 
 
@@ -107,6 +110,9 @@ def adagrad(
         ``torch.tensor(1e-2)``; static, see the parity guide).
       lr_decay: learning-rate decay :math:`\eta`, default 0.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+        Built as the number 0, the decay is compiled out (no read of the parameter for
+        it) and ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps
+        it changeable (performance guide, "A weight decay built as 0 is compiled in").
       initial_accumulator_value: initial value :math:`\tau` of the ``sum`` accumulator,
         default 0. Fixed at construction (static): torch reads it only when it builds
         the state, in its constructor.

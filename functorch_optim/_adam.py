@@ -24,8 +24,10 @@ from functorch_optim._checks import (
     validate_lr_eps_betas_wd,
 )
 from functorch_optim._fused import adam_kernel, fused_algorithm
+from functorch_optim._hyperparams import fixed, in_use
 from functorch_optim._torch_ops import (
     caster,
+    coupled_weight_decay,
     fma,
     lerp_fma,
     lr_decay_factor,
@@ -59,7 +61,8 @@ def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> di
     out = {
         "lr": lr,
         "betas": (beta1, beta2),
-        "use_weight_decay": wd != 0,
+        # a Python bool where the compiled step fixes it (``Algorithm.fixed_zero``)
+        "use_weight_decay": jnp.asarray(in_use(static, hp, "weight_decay")),
         "lerp_weight": weight,
         "lerp_small_weight": jnp.abs(weight) < 0.5,
         "lerp_one_minus_weight": 1 - weight,
@@ -85,7 +88,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     grad = signed_grad(grad, dtype, static["maximize"])
     if static["decoupled_weight_decay"]:  # apply_weight_decay(..., decoupled=True)
         param = (c(param) * hp["param_decay"]).astype(dtype)
-    else:  # apply_weight_decay(..., decoupled=False)
+    elif fixed(static, "weight_decay") != "zero":  # apply_weight_decay(..., decoupled=False)
+        # (built with weight_decay=0, a number: torch's branch is decided here, and no
+        # moment pass reads the param)
         coupled = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
         grad = jnp.where(hp["use_weight_decay"], coupled, grad)
     # lerp(exp_avg, grad, 1 - beta1): torch's two-branch CPU formula
@@ -165,6 +170,7 @@ ADAM_ALGORITHM = Algorithm(
     init_leaf=_init_leaf,
     step_leaf=_step_leaf,
     prepare=_prepare,
+    fixed_zero=coupled_weight_decay,
 )
 ADAMW_ALGORITHM = Algorithm(
     name="AdamW",
@@ -276,7 +282,10 @@ def adam(
         1-element arrays (torch's rule).
       eps: added to the denominator, default 1e-8.
       weight_decay: :math:`\lambda`, default 0: an L2 penalty added to the gradient, or
-        decoupled (AdamW) decay with ``decoupled_weight_decay=True``.
+        decoupled (AdamW) decay with ``decoupled_weight_decay=True``. The L2 penalty
+        built as the number 0 is compiled out (no read of the parameter for it) and
+        ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps it
+        changeable (performance guide, "A weight decay built as 0 is compiled in").
       amsgrad: use the AMSGrad variant, default False (static).
       foreach: accepted for torch compatibility; no effect.
       maximize: maximize the objective instead of minimizing, default False (static).

@@ -30,7 +30,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     c = caster(dtype)
     lr, (beta1, beta2), eps = hp["lr"], hp["betas"], hp["eps"]
     grad = signed_grad(grad, dtype, static["maximize"])
-    param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], decoupled=False)
+    param, grad = apply_weight_decay(param, grad, lr, hp["weight_decay"], False, static)
     exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
     # torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps)): eps inside the max
     decayed = (c(buffers["exp_inf"]) * c(beta2)).astype(dtype)
@@ -47,6 +47,7 @@ ADAMAX_ALGORITHM = Algorithm(
     validate=validate_lr_eps_betas_wd,
     init_leaf=zero_buffers("exp_avg", "exp_inf"),
     step_leaf=_step_leaf,
+    fixed_zero=("weight_decay",),
 )
 
 
@@ -86,6 +87,9 @@ def adamax(
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to :math:`|g_t|` inside the maximum, default 1e-8.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+        Built as the number 0, the decay is compiled out (no read of the parameter for
+        it) and ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps
+        it changeable (performance guide, "A weight decay built as 0 is compiled in").
       foreach: accepted for torch compatibility; no effect.
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; no effect: every step is

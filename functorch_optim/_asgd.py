@@ -11,6 +11,7 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_lr, check_weight_decay, tensor_lr_dtype
+from functorch_optim._hyperparams import fixed
 from functorch_optim._torch_ops import op_casts, rounded_product, signed_grad, torch_lr
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype
@@ -43,7 +44,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     mu = buffers["mu"]
     # torch reads eta as a Python number (``eta.item()``): no gradient flows through it
     eta_value = jax.lax.stop_gradient(eta).astype(hdt)
-    grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
+    if fixed(static, "weight_decay") != "zero":  # built with the number 0: no param read
+        grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # param.mul_(1 - lambd * eta_value); param.add_(grad, alpha=-eta_value)
     new_param = r(c(param) * c(1 - lambd * eta_value))
     new_param = r(c(new_param) + a(-eta_value) * c(grad))
@@ -67,7 +69,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, {"eta": new_eta, "mu": new_mu, "ax": new_ax}
 
 
-ASGD_ALGORITHM = Algorithm(name="ASGD", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+ASGD_ALGORITHM = Algorithm(
+    name="ASGD", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, fixed_zero=("weight_decay",)
+)
 
 
 def asgd(
@@ -114,6 +118,9 @@ def asgd(
       alpha: power :math:`\alpha` for the ``eta`` update, default 0.75.
       t0: the step at which averaging starts, default 1e6.
       weight_decay: L2 penalty :math:`\kappa` added to the gradient, default 0.
+        Built as the number 0, the decay is compiled out (no read of the parameter for
+        it) and ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps
+        it changeable (performance guide, "A weight decay built as 0 is compiled in").
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; every step is differentiable.

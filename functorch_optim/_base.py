@@ -21,6 +21,8 @@ Semantics shared by all algorithms:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -32,7 +34,15 @@ import optax
 from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _STAGED
 
 from functorch_optim._checks import squeeze_lr
-from functorch_optim._hyperparams import HParams, Validator, as_hparam, check_number, has_tracer, to_python
+from functorch_optim._hyperparams import (
+    FIXED,
+    HParams,
+    Validator,
+    as_hparam,
+    check_number,
+    has_tracer,
+    to_python,
+)
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
 
@@ -143,6 +153,64 @@ class Algorithm:
     fused_window: Callable[..., list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]] | None = None
     advances: Callable[[Mapping[str, Any], Mapping[str, Any]], Any] | None = None
     reads_step: bool | Callable[[Mapping[str, Any]], bool] = True
+    fixed_zero: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = ()
+    fixed_nonzero: tuple[str, ...] = ()
+
+
+_CHANGEABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("fo_changeable", default=False)
+
+
+@contextlib.contextmanager
+def changeable_hparams():
+    """Within this context, optimizers are built as if every number could change: no
+    hyperparameter's zero-ness is fixed (``Algorithm.fixed_zero``), and SGD and RMSprop
+    keep a momentum buffer for a momentum of 0. The torch-shaped facade builds a group
+    so when its ``param_groups`` edits cross what the compiled step fixed."""
+    token = _CHANGEABLE.set(True)
+    try:
+        yield
+    finally:
+        _CHANGEABLE.reset(token)
+
+
+def changeable() -> bool:
+    """Whether ``changeable_hparams`` is active (factories read it for their buffers)."""
+    return _CHANGEABLE.get()
+
+
+def is_number(value: Any) -> bool:
+    """Whether a hyperparameter value is a concrete number kept in the state (not a
+    schedule, not a JAX array given as an input, not a tracer): its zero-ness may be
+    fixed at construction."""
+    return not (_is_scheduled(value) or isinstance(value, jax.Array) or has_tracer(value))
+
+
+def _fixed_flags(
+    algorithm: Algorithm, hparams: Mapping[str, Any], static: Mapping[str, Any]
+) -> tuple[tuple[str, str], ...]:
+    if changeable() or "lr" not in hparams:
+        return ()
+    zeros = algorithm.fixed_zero(static) if callable(algorithm.fixed_zero) else algorithm.fixed_zero
+    flags = {}
+    for name, zero in [(n, True) for n in zeros] + [(n, False) for n in algorithm.fixed_nonzero]:
+        value = hparams.get(name)
+        if name in hparams and is_number(value) and (to_python(value) == 0) == zero:
+            flags[name] = "zero" if zero else "nonzero"
+    return tuple(sorted(flags.items()))
+
+
+def fixed_guard(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``hp`` with ``lr`` NaN where a value disagrees with the zero-ness the compiled step
+    fixes (a state restored into a transformation built otherwise): such a step makes
+    every parameter NaN instead of silently computing another rule. One scalar select
+    per step; ``hp`` itself where nothing is fixed."""
+    flags = dict(static.get(FIXED, ()))
+    if not flags:
+        return hp
+    bad = [(hp[n] != 0) if how == "zero" else (hp[n] == 0) for n, how in flags.items()]
+    mismatch = functools.reduce(jnp.logical_or, bad)
+    lr = hp["lr"]
+    return {**hp, "lr": jnp.where(mismatch, jnp.asarray(jnp.nan, jnp.result_type(lr)), lr)}
 
 
 def make_optimizer(
@@ -187,6 +255,9 @@ def make_optimizer(
         if check is not None:
             check(k, hparams)
     static = dict(static)
+    flags = _fixed_flags(algorithm, hparams, static)
+    if flags:
+        static[FIXED] = flags
 
     def init(params: PyTree) -> TorchState:
         check_params(params, allow_empty=True)
@@ -298,7 +369,7 @@ def make_optimizer(
         check_like_params(params, grads)
         treedef, leaves, olds = unpack(params, grads, state, grad_mask)
         hparams = current(state)
-        hp = dict(hparams)
+        hp = fixed_guard(dict(hparams), static)
         hparams_of = prepared(hp)
         one = counter_one(state, hp)
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
@@ -321,7 +392,7 @@ def make_optimizer(
         counters and schedules keep their bits."""
         treedef, leaves, _ = unpack(params, grads, state, active)
         hparams = current(state)
-        hp = dict(hparams)
+        hp = fixed_guard(dict(hparams), static)
         window = window._replace(accs=treedef.flatten_up_to(window.accs))
         outs = algorithm.fused_window(leaves, window, prepared(hp), static, counter_one(state, hp))
         hparams, count = advance(state, hparams, window.stepping)

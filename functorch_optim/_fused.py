@@ -40,6 +40,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from functorch_optim._base import Algorithm, rule_step
+from functorch_optim._hyperparams import in_use
 from functorch_optim._torch_ops import caster, lr_over, step_as_float
 
 _HERE = Path(__file__).resolve().parent
@@ -565,7 +566,7 @@ def adagrad_kernel(
         leaves,
         ["sum"],
         [-clr, wd, hp["eps"]],
-        [jnp.stack([leaf[4] for leaf in leaves]), wd != 0],
+        [jnp.stack([leaf[4] for leaf in leaves]), jnp.asarray(in_use(static, hp, "weight_decay"))],
         window,
         maximize=static["maximize"],
     )

@@ -81,6 +81,61 @@ def check_number(where: str, name: str, value: Any) -> None:
         raise ValueError(f"{where}: {name} must be a scalar, got an array of shape {np.shape(value)}")
 
 
+#: The static key under which an optimizer records the hyperparameters whose zero-ness its
+#: compiled step fixes: ``((name, "zero" | "nonzero"), ...)`` (``Algorithm.fixed_zero``).
+FIXED = "fixed"
+
+
+def fixed(static: Mapping[str, Any], name: str) -> str | None:
+    """``"zero"`` or ``"nonzero"`` where the compiled step fixes whether ``name`` is 0,
+    else None (the value is data, read every step)."""
+    return dict(static.get(FIXED, ())).get(name)
+
+
+def in_use(static: Mapping[str, Any], hp: Mapping[str, Any], name: str) -> Any:
+    """Whether the term of hyperparameter ``name`` (torch's ``if weight_decay != 0``) is
+    in this step: ``False``/``True`` (Python bools) where the compiled step fixes it,
+    else the traced ``hp[name] != 0``."""
+    how = fixed(static, name)
+    if how is not None:
+        return how == "nonzero"
+    return hp[name] != 0
+
+
+def fixed_conflicts(static: Mapping[str, Any], values: Mapping[str, Any]) -> list[str]:
+    """The names among ``values`` (concrete numbers) whose zero-ness differs from what
+    the compiled step fixes."""
+    bad = []
+    for name, how in dict(static.get(FIXED, ())).items():
+        if name in values and not has_tracer(values[name]):
+            value = to_python(values[name])
+            if (value == 0) != (how == "zero"):
+                bad.append(name)
+    return bad
+
+
+def check_fixed(kind: str, static: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    """Refuse a value whose zero-ness the compiled step fixes otherwise.
+
+    Raises:
+      ValueError: naming the hyperparameter, the value, and how to keep it changeable.
+    """
+    for name in fixed_conflicts(static, values):
+        value = to_python(values[name])
+        if fixed(static, name) == "zero":
+            raise ValueError(
+                f"{kind}: {name}={value} for an optimizer built with {name}=0 (a number), whose "
+                f"compiled step leaves the {name} term out; build it with a nonzero {name} (it "
+                "can be set to 0 later), or give it as a JAX array (optax.inject_hyperparams) or "
+                "a schedule to keep it changeable"
+            )
+        raise ValueError(
+            f"{kind}: {name}={value} for an optimizer built with a nonzero {name} (a number), "
+            f"whose compiled step always applies it; give {name} as a JAX array "
+            "(optax.inject_hyperparams) or a schedule to change it to 0 at run time"
+        )
+
+
 def has_tracer(value: Any) -> bool:
     """Whether any leaf of ``value`` is a tracer (a value under a JAX transformation)."""
     return any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(value))
@@ -159,6 +214,7 @@ class HParams(Mapping):
         if has_tracer(merged):
             return
         self.validator(merged, self.static)
+        check_fixed(self.kind, self.static, merged)
 
     def tree_flatten_with_keys(self):
         keys = tuple(sorted(self._values))
@@ -300,8 +356,10 @@ def set_hparams(state: PyTree, group: str | None = None, **values: Any) -> PyTre
     Raises:
       ValueError: for an unknown name (the message lists the known ones), a value torch
         would reject (torch's message, e.g. ``Invalid learning rate: -1.0``), a
-        hyperparameter driven by a schedule, or a state without (or with several sets
-        of) hyperparameters. Nothing is changed when it raises.
+        hyperparameter driven by a schedule, a value across 0 where the optimizer was
+        built with a number whose zero-ness its step compiles in (``weight_decay=0``,
+        SGD's and RMSprop's nonzero ``momentum``: ``check_fixed``), or a state without
+        (or with several sets of) hyperparameters. Nothing is changed when it raises.
 
     Examples:
       >>> import jax.numpy as jnp, functorch_optim as fo

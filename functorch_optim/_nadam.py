@@ -19,6 +19,7 @@ from functorch_optim._checks import (
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
+    coupled_weight_decay,
     decay_square,
     lerp,
     rdiv,
@@ -102,7 +103,13 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "mu_product": mu_product}
 
 
-NADAM_ALGORITHM = Algorithm(name="NAdam", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf)
+NADAM_ALGORITHM = Algorithm(
+    name="NAdam",
+    validate=_validate,
+    init_leaf=_init_leaf,
+    step_leaf=_step_leaf,
+    fixed_zero=coupled_weight_decay,
+)
 
 
 def nadam(
@@ -152,6 +159,8 @@ def nadam(
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to the denominator, default 1e-8.
       weight_decay: :math:`\lambda`, default 0 (an L2 penalty, or decoupled decay).
+        The L2 penalty built as the number 0 is compiled out and ``set_hparams``
+        refuses a nonzero value; a JAX array or a schedule keeps it changeable.
       momentum_decay: :math:`\psi`, default 4e-3.
       decoupled_weight_decay: decay the parameter (AdamW style, "NAdamW") instead of
         adding :math:`\lambda\theta` to the gradient, default False (static).

@@ -17,6 +17,7 @@ from functorch_optim._checks import (
 from functorch_optim._torch_ops import (
     apply_weight_decay,
     caster,
+    coupled_weight_decay,
     decay_square,
     lerp,
     signed_grad,
@@ -65,6 +66,7 @@ RADAM_ALGORITHM = Algorithm(
     validate=validate_lr_eps_betas_wd,
     init_leaf=zero_buffers("exp_avg", "exp_avg_sq"),
     step_leaf=_step_leaf,
+    fixed_zero=coupled_weight_decay,
 )
 
 
@@ -116,6 +118,8 @@ def radam(
       betas: :math:`(\beta_1, \beta_2)`, default (0.9, 0.999).
       eps: added to :math:`\sqrt{v_t}`, default 1e-8.
       weight_decay: :math:`\lambda`, default 0 (an L2 penalty, or decoupled decay).
+        The L2 penalty built as the number 0 is compiled out and ``set_hparams``
+        refuses a nonzero value; a JAX array or a schedule keeps it changeable.
       decoupled_weight_decay: decay the parameter (AdamW style, "RAdamW") instead of
         adding :math:`\lambda\theta` to the gradient, default False (static).
       foreach: accepted for torch compatibility; no effect.

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._base import Algorithm, changeable, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay
-from functorch_optim._hyperparams import to_python
+from functorch_optim._hyperparams import fixed, to_python
 from functorch_optim._torch_ops import fma, lerp_fma, op_casts, signed_grad
 
 
@@ -49,8 +49,16 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # under cancellation (centered, square_avg - grad_avg**2) a second rounding is
     # amplified by orders of magnitude, so each is an exact ``fma`` here
 
+    # built with weight_decay=0 / a nonzero momentum, numbers: torch's branches are decided
+    # here, and no pass reads the param for the decay, nor grad and square_avg again for
+    # the momentum-free update
+    decays = fixed(static, "weight_decay") != "zero"
+    always_momentum = fixed(static, "momentum") == "nonzero"
+
     def effective_grad(param, grad):
         grad = signed_grad(grad, dtype, static["maximize"])
+        if not decays:
+            return grad
         # grad.add(param, alpha=weight_decay)
         return jnp.where(wd != 0, r(fma(c(param), a(wd), c(grad))), grad)
 
@@ -95,19 +103,28 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         new_buf = r(c(new_buf) + c(g) / c(denominator()))
         # torch takes the plain branch, buffer untouched, while momentum == 0
         use = momentum > 0
-        out["momentum_buffer"] = jnp.where(use, new_buf, buf)
+        out["momentum_buffer"] = new_buf if always_momentum else jnp.where(use, new_buf, buf)
     param, g = fresh(param, grad)
-    # param.addcdiv_(grad, avg, value=-lr)
-    new_param = r(c(param) + c(-lr) * c(g) / c(denominator()))
     if static["has_momentum"]:
         # where the momentum branch is taken, the returned buffer is the new one
         with_momentum = r(fma(c(out["momentum_buffer"]), a(-lr), c(param)))
+        if always_momentum:
+            return with_momentum, out
+    # param.addcdiv_(grad, avg, value=-lr)
+    new_param = r(c(param) + c(-lr) * c(g) / c(denominator()))
+    if static["has_momentum"]:
         new_param = jnp.where(use, with_momentum, new_param)
     return new_param, out
 
 
 RMSPROP_ALGORITHM = Algorithm(
-    name="RMSprop", validate=_validate, init_leaf=_init_leaf, step_leaf=_step_leaf, reads_step=False
+    name="RMSprop",
+    validate=_validate,
+    init_leaf=_init_leaf,
+    step_leaf=_step_leaf,
+    reads_step=False,
+    fixed_zero=("weight_decay",),
+    fixed_nonzero=("momentum",),
 )
 
 
@@ -152,9 +169,14 @@ def rmsprop(
       alpha: smoothing constant :math:`\alpha`, default 0.99.
       eps: term :math:`\epsilon` added to the square root (outside it), default 1e-8.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+        Built as the number 0, the decay is compiled out (no read of the parameter for
+        it) and ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps
+        it changeable (performance guide, "A weight decay built as 0 is compiled in").
       momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
-        at all; a momentum set later through ``set_hparams`` must then stay 0. A schedule
-        or a JAX array (``optax.inject_hyperparams``) always keeps the buffer.
+        at all; a momentum set later through ``set_hparams`` must then stay 0. A nonzero
+        number is compiled in (the parameter pass reads no gradient), and ``set_hparams``
+        then refuses 0. A schedule or a JAX array (``optax.inject_hyperparams``) always
+        keeps the buffer and any value.
       centered: normalize by an estimate of the gradient's variance, default False
         (static; adds the ``grad_avg`` buffer).
       capturable: accepted for torch compatibility; no effect (every step is jittable).
@@ -205,6 +227,8 @@ def rmsprop(
         "momentum": momentum,
     }
     # a schedule or a JAX array (an injected input) can change: keep the buffer
-    has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) > 0
+    has_momentum = (
+        changeable() or callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) > 0
+    )
     static = {"centered": bool(centered), "maximize": bool(maximize), "has_momentum": has_momentum}
     return make_optimizer(RMSPROP_ALGORITHM, hparams, static)

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functorch_optim._base import Algorithm, make_optimizer
+from functorch_optim._base import Algorithm, changeable, make_optimizer
 from functorch_optim._checks import check_fused_flags
 from functorch_optim._fused import fused_algorithm, sgd_kernel
-from functorch_optim._hyperparams import to_python
+from functorch_optim._hyperparams import fixed, in_use, to_python
 from functorch_optim._torch_ops import caster, signed_grad
 
 
@@ -43,11 +43,12 @@ def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> di
     wd, momentum = hp["weight_decay"], hp["momentum"]
     return {
         "weight_decay": c(wd),
-        "use_weight_decay": wd != 0,
+        # a Python bool where the compiled step fixes it (``Algorithm.fixed_zero``)
+        "use_weight_decay": jnp.asarray(in_use(static, hp, "weight_decay")),
         "momentum": c(momentum),
         "one_minus_dampening": c(1 - hp["dampening"]),
         # torch skips the buffer entirely while momentum == 0 (set through set_hparams)
-        "use_momentum": momentum != 0,
+        "use_momentum": jnp.asarray(in_use(static, hp, "momentum")),
         "neg_lr": c(-hp["lr"]),
     }
 
@@ -57,8 +58,15 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     dtype = param.dtype
     c = caster(dtype)
 
+    # built with the number 0 / a nonzero number: torch's branch is decided here, and
+    # no pass reads the param for the decay, nor the gradient for a momentum-free step
+    decays = fixed(static, "weight_decay") != "zero"
+    always_momentum = fixed(static, "momentum") == "nonzero"
+
     def effective_grad(param, grad):
         grad = signed_grad(grad, dtype, static["maximize"])
+        if not decays:
+            return grad
         # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
         decayed = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
         return jnp.where(hp["use_weight_decay"], decayed, grad)
@@ -77,7 +85,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # raw gradient (no dampening); ``step`` counts those steps: 1 = the buffer is new
         new_buf = jnp.where(step == 1, g, new_buf)
         use = hp["use_momentum"]
-        new_buf = jnp.where(use, new_buf, buf)
+        if not always_momentum:
+            new_buf = jnp.where(use, new_buf, buf)
         out["momentum_buffer"] = new_buf
         # Two passes over memory, each fused by XLA: this one writes the buffer, the next
         # reads it back together with fresh reads of param and grad. The barrier stops XLA
@@ -86,9 +95,15 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # returned buffer, not the old one (reading the old buffer forces copies of the
         # donated parameter and buffer). Same operations, same rounding.
         param, grad = jax.lax.optimization_barrier((param, grad))
-        g = effective_grad(param, grad)
-        direction = (c(g) + momentum * c(new_buf)).astype(dtype) if static["nesterov"] else new_buf
-        grad = jnp.where(use, direction, g)
+        if static["nesterov"]:
+            g = effective_grad(param, grad)
+            direction = (c(g) + momentum * c(new_buf)).astype(dtype)
+        else:
+            direction = new_buf
+        if always_momentum:
+            grad = direction
+        else:
+            grad = jnp.where(use, direction, effective_grad(param, grad))
     new_param = (c(param) + hp["neg_lr"] * c(grad)).astype(dtype)
     return new_param, out
 
@@ -96,7 +111,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 def _advances(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Any:
     # with a buffer, ``step`` counts the steps taken with momentum != 0: torch's buffer
     # exists once there was one (``step > 0``), and the first one seeds it
-    return hp["momentum"] != 0 if static["has_momentum"] else True
+    return in_use(static, hp, "momentum") if static["has_momentum"] else True
 
 
 def _reads_step(static: Mapping[str, Any]) -> bool:
@@ -113,6 +128,8 @@ SGD_ALGORITHM = Algorithm(
     prepare=_prepare,
     advances=_advances,
     reads_step=_reads_step,
+    fixed_zero=("weight_decay",),
+    fixed_nonzero=("momentum",),
 )
 
 
@@ -150,10 +167,15 @@ def sgd(
       lr: learning rate :math:`\gamma`, default 1e-3; a number, a 0-d array, or a
         schedule ``count -> value``.
       momentum: momentum factor :math:`\mu`, default 0. With 0 no momentum buffer is kept
-        at all; a momentum set later through ``set_hparams`` must then stay 0. A schedule
-        or a JAX array (``optax.inject_hyperparams``) always keeps the buffer.
+        at all; a momentum set later through ``set_hparams`` must then stay 0. A nonzero
+        number is compiled in (the parameter pass reads only the buffer), and
+        ``set_hparams`` then refuses 0. A schedule or a JAX array
+        (``optax.inject_hyperparams``) always keeps the buffer and any value.
       dampening: dampening :math:`\tau` for momentum, default 0.
       weight_decay: L2 penalty :math:`\lambda` added to the gradient, default 0.
+        Built as the number 0, the decay is compiled out (no read of the parameter for
+        it) and ``set_hparams`` refuses a nonzero value; a JAX array or a schedule keeps
+        it changeable (performance guide, "A weight decay built as 0 is compiled in").
       nesterov: use Nesterov momentum, default False (static).
       maximize: maximize the objective instead of minimizing, default False (static).
       foreach: accepted for torch compatibility; no effect (XLA fuses the loop).
@@ -205,7 +227,9 @@ def sgd(
     check_fused_flags(fused, differentiable, foreach)
     hparams = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
     # a schedule or a JAX array (an injected input) can change: keep the buffer
-    has_momentum = callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) != 0
+    has_momentum = (
+        changeable() or callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) != 0
+    )
     static = {"nesterov": bool(nesterov), "maximize": bool(maximize), "has_momentum": has_momentum}
     algorithm = (
         fused_algorithm(SGD_ALGORITHM, sgd_kernel, auto=fused is None)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _STAGED
 
+from functorch_optim._hyperparams import fixed
 from functorch_optim._tree import opmath_dtype
 
 Cast = Callable[[Any], jax.Array]
@@ -219,9 +220,12 @@ def apply_weight_decay(
 ) -> tuple[jax.Array, jax.Array]:
     """torch's ``if weight_decay != 0`` block: decoupled ``param.mul_(1 - lr * wd)`` (with
     a tensor lr, ``static["tensor_lr"]``, in its dtype: ``lr_decay_factor``), else
-    ``grad = grad.add(param, alpha=wd)``. Returns ``(param, grad)``."""
+    ``grad = grad.add(param, alpha=wd)`` (nothing where ``static`` fixes weight_decay at
+    0: ``Algorithm.fixed_zero``). Returns ``(param, grad)``."""
     dtype = param.dtype
     c = caster(dtype)
+    if not decoupled and fixed(static or {}, "weight_decay") == "zero":
+        return param, grad
     if decoupled:
         # ``* 1`` is exact: one multiply either way, so XLA contracts it the same way into
         # what follows (an FMA), whatever the surrounding selects
@@ -229,6 +233,14 @@ def apply_weight_decay(
         return (c(param) * c(factor)).astype(dtype), grad
     coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
     return param, jnp.where(weight_decay != 0, coupled, grad)
+
+
+def coupled_weight_decay(static: Mapping[str, Any]) -> tuple[str, ...]:
+    """``Algorithm.fixed_zero`` of a rule with a ``decoupled_weight_decay`` flag: the L2
+    term reads the param in the moment passes; the decoupled factor is one multiply in
+    the parameter pass, which reads the param anyway (and keeping it keeps XLA's
+    contraction of what follows alike): only the coupled decay is fixed at 0."""
+    return () if static["decoupled_weight_decay"] else ("weight_decay",)
 
 
 def zero_buffers(*names: str) -> Callable[[jax.Array, Mapping[str, Any]], dict[str, jax.Array]]:

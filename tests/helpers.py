@@ -18,6 +18,24 @@ TREE_SHAPES: dict[str, Any] = {
 }
 
 
+#: The hyperparameters whose zero-ness a transformation built with a number fixes in its
+#: compiled step (``Algorithm.fixed_zero`` / ``fixed_nonzero``): ``set_hparams`` cannot
+#: move them across 0, so a transformation shared by several configurations is built with
+#: their zero-ness (``zero_ness``) besides the structural flags.
+ZERO_NESS = ("weight_decay", "momentum")
+
+
+def zero_ness(config: Any) -> dict[str, float]:
+    """``config``'s numbers among ``ZERO_NESS`` as 0.0, or the stand-in 0.5 where nonzero
+    (schedules and arrays, which keep the value changeable, are left out)."""
+    out = {}
+    for k in ZERO_NESS:
+        v = config.get(k)
+        if isinstance(v, bool | int | float | np.floating | np.integer):
+            out[k] = 0.0 if v == 0 else 0.5
+    return out
+
+
 def make_tree(shape_tree: Any, rng: np.random.Generator, dtype: Any = np.float64) -> Any:
     """A pytree of random numpy arrays following ``shape_tree`` (tuples of ints are shapes)."""
 

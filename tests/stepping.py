@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import torch
 
 import functorch_optim as fo
+from tests.helpers import zero_ness
 
 # torch's intra-op thread pool spins on a loaded 2-core machine: its small per-step ops
 # ran 5-50x slower (CPU time) with the default thread count than with one thread.
@@ -48,7 +49,10 @@ def run_fo(
     configuration with the same values of them.
     """
     defaults = {k: v.default for k, v in inspect.signature(factory).parameters.items()}
-    tx = shared_tx(factory, {k: cfg.get(k, defaults[k]) for k in static_keys})
+    static = {k: cfg.get(k, defaults[k]) for k in static_keys}
+    # a number's zero-ness is compiled in (``Algorithm.fixed_zero``): part of the key
+    full = {**defaults, **cfg}
+    tx = shared_tx(factory, {**static, **{k: v for k, v in zero_ness(full).items() if k in defaults}})
     p = jax.tree.map(jnp.asarray, params)
     state = factory(**cfg).init(p)
     for g in grads:

@@ -21,7 +21,7 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
-from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, to_jax
+from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, to_jax, zero_ness
 
 ALGOS = ("adagrad", "adadelta", "rmsprop", "rprop", "asgd")
 STEPS = 50
@@ -65,6 +65,8 @@ def _static_key(name, config):
     if name == "rmsprop":
         key["centered"] = full["centered"]
         key["momentum"] = 0.9 if full["momentum"] > 0 else 0.0
+    # a number's zero-ness is compiled in (``Algorithm.fixed_zero``)
+    key.update({k: v for k, v in zero_ness(full).items() if k not in key})
     return tuple(sorted(key.items()))
 
 

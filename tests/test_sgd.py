@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import functorch_optim as fo
+from functorch_optim._base import changeable_hparams
 from functorch_optim._registry import get_spec
 from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, run_torch, to_jax
 
@@ -24,14 +25,23 @@ def _cid(c):
 
 
 @functools.cache
-def _jitted(nesterov: bool, maximize: bool, has_momentum: bool):
-    """One transformation and one jitted step per static combination; numbers are data."""
-    tx = fo.sgd(lr=0.1, momentum=0.9 if has_momentum else 0.0, nesterov=nesterov, maximize=maximize)
+def _jitted(nesterov: bool, maximize: bool, has_momentum: bool, decays: bool):
+    """One transformation and one jitted step per static combination; numbers are data
+    (but whether momentum and weight_decay are 0 is compiled in: ``Algorithm.fixed_zero``)."""
+    tx = fo.sgd(
+        lr=0.1,
+        momentum=0.9 if has_momentum else 0.0,
+        weight_decay=0.5 if decays else 0.0,
+        nesterov=nesterov,
+        maximize=maximize,
+    )
     return tx, jax.jit(functools.partial(fo.step, tx))
 
 
 def _run_ours(config, params, grads):
-    tx, step = _jitted(config["nesterov"], config["maximize"], config["momentum"] != 0)
+    tx, step = _jitted(
+        config["nesterov"], config["maximize"], config["momentum"] != 0, config["weight_decay"] != 0
+    )
     params = to_jax(params)
     state = fo.set_hparams(tx.init(params), **{k: config[k] for k in NUMERIC})
     for g in grads:
@@ -245,7 +255,10 @@ def test_buffer_created_on_first_step_with_momentum_like_torch(fused, dtype):
     momenta = [0.0, 0.9, 0.0, 0.9, 0.9, 0.0]
     tensors = [torch.tensor(params[k]) for k in ("a", "b")]
     opt = torch.optim.SGD(tensors, lr=0.1, momentum=0.9, dampening=0.5, foreach=False)
-    tx = fo.sgd(lr=0.1, momentum=0.9, dampening=0.5, fused=fused)
+    # momentum moves across 0 at run time: the changeable build (the facade's, on such a
+    # param_groups edit), since a nonzero number is compiled in (Algorithm.fixed_nonzero)
+    with changeable_hparams():
+        tx = fo.sgd(lr=0.1, momentum=0.9, dampening=0.5, fused=fused)
     ours = to_jax(params)
     state = tx.init(ours)
     step = jax.jit(functools.partial(fo.step, tx))

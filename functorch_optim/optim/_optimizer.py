@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, schedule_key
+from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, changeable_hparams, schedule_key
 from functorch_optim._base import step as functional_step
 from functorch_optim._groups import path_name, select_groups
-from functorch_optim._hyperparams import set_hparams, to_python
+from functorch_optim._hyperparams import fixed_conflicts, set_hparams, to_python
 from functorch_optim._tree import PyTree, check_like_params, check_params, is_none, keystr
 from functorch_optim.interop.torch import _is_tensor, _to_numpy, _to_tensor
 
@@ -584,8 +584,20 @@ class Optimizer:
             for tree, n, config in zip(self._params, names, groups, strict=True)
         ]
         self._applied = [{k: g[k] for k in self._factory_params} for g in self.param_groups]
+        # groups built under ``changeable_hparams``: an edit crossed what a compiled step
+        # fixed (a weight_decay built as 0 set nonzero, a momentum set to 0)
+        self._changeable: set[int] = set()
 
     # -- construction helpers -----------------------------------------------------------
+
+    def _build(self, g: int, config: Mapping[str, Any]) -> Any:
+        """Group ``g``'s transformation for ``config`` (changeable where it was before)."""
+        factory = type(self).factory
+        kwargs = {k: config[k] for k in self._factory_params}
+        if g in getattr(self, "_changeable", ()):
+            with changeable_hparams():
+                return factory(**kwargs)
+        return factory(**kwargs)
 
     def _initial_state(self, tx: Any, algorithm: Algorithm, tree: PyTree) -> TorchState:
         """``tx.init(tree)``; for an algorithm whose state torch creates in ``__init__``
@@ -824,6 +836,18 @@ class Optimizer:
             self._check_same_tree(new, f"state of group {g}", reference=old)
         self._states = [jax.tree.map(_copy_leaf, s) for s in states]
         for g, st in enumerate(self._states):
+            if fixed_conflicts(st.hparams.static, dict(st.hparams)):
+                # restored values the compiled step fixed otherwise (a state saved after a
+                # param_groups edit, restored into a fresh optimizer): rebuild the group
+                # with changeable hyperparameters, so the step computes torch's rule
+                self._changeable.add(g)
+                config = {k: self.param_groups[g][k] for k in self._factory_params}
+                config.update({k: to_python(v) for k, v in st.hparams.items() if k in config})
+                tx = self._build(g, config)
+                fresh = tx.init(self._params[g]).hparams
+                hp = fresh.replace(**dict(st.hparams)).with_schedule_state(st.hparams.schedule_state)
+                self._txs[g] = _shared(tx, TorchState(hp, st.count, st.buffers), config)
+                self._states[g] = st = TorchState(hp, st.count, st.buffers)
             for k, v in st.hparams.items():
                 if k in self._applied[g] and k not in st.hparams.scheduled:
                     value_py = to_python(v)
@@ -962,6 +986,12 @@ class Optimizer:
                     numeric[k] = value
                 else:
                     rebuild = True
+            if numeric and fixed_conflicts(self._states[g].hparams.static, numeric):
+                # torch lets param_groups take any value: a value the compiled step fixed
+                # otherwise (weight_decay 0 -> nonzero, SGD's momentum -> 0) rebuilds the
+                # group with changeable hyperparameters, once (later edits are data again)
+                self._changeable.add(g)
+                rebuild = True
             if rebuild:
                 updates.append((g, *self._rebuilt(g, group)))
             elif numeric:
@@ -972,8 +1002,7 @@ class Optimizer:
 
     def _rebuilt(self, g: int, config: Mapping[str, Any]) -> tuple[Any, TorchState]:
         """A new transformation for group ``g`` (a structural flag changed), keeping its buffers."""
-        factory = type(self).factory
-        tx = factory(**{k: config[k] for k in self._factory_params})
+        tx = self._build(g, config)
         fresh = tx.init(self._params[g])
         old = self._states[g]
         buffers = {n: old.buffers.get(n, b) for n, b in fresh.buffers.items()}
@@ -1088,12 +1117,11 @@ class Optimizer:
             check_names(g, saved, self.param_groups[g].get("param_names"))
             completed.append(self._completed(g, saved))
         entries = group_entries(saved_groups, saved_state)
-        factory = type(self).factory
         new = []
         for g, group in enumerate(self.param_groups):
             config = {k: v for k, v in group.items() if k != "params"}
             config.update({k: _as_tuples(v, config.get(k)) for k, v in completed[g].items()})
-            candidate = factory(**{k: config[k] for k in self._factory_params})
+            candidate = self._build(g, config)
             fresh = candidate.init(self._params[g])
             same = jax.tree.structure(fresh) == jax.tree.structure(self._states[g])
             tx = self._txs[g] if same else _shared(candidate, fresh, config)
@@ -1200,10 +1228,10 @@ class Optimizer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        factory = type(self).factory
+        self.__dict__.setdefault("_changeable", set())
         self._txs = [
-            _shared(factory(**applied), st, applied)
-            for applied, st in zip(self._applied, self._states, strict=True)
+            _shared(self._build(g, applied), st, applied)
+            for g, (applied, st) in enumerate(zip(self._applied, self._states, strict=True))
         ]
 
     def __repr__(self) -> str:

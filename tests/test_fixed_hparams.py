@@ -1,0 +1,349 @@
+"""A number's zero-ness compiled in (``Algorithm.fixed_zero`` / ``fixed_nonzero``).
+
+A ``weight_decay`` built as the number 0 (and SGD's or RMSprop's nonzero ``momentum``)
+decides torch's ``if weight_decay != 0`` branch when the step is compiled: no pass reads
+the parameter for the decay (nor the gradient again for SGD's momentum-free update).
+Every path that can change the value is checked: ``set_hparams`` (and ``param_groups``
+groups) refuse it before anything changes, the torch-shaped facade rebuilds the group,
+JAX arrays, schedules and ``optax.inject_hyperparams`` keep the value changeable, and a
+state restored into a transformation built otherwise steps to NaN, never to another rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functorch_optim as fo
+from functorch_optim._base import changeable_hparams
+from functorch_optim._hyperparams import FIXED
+from functorch_optim.optim import SGD, Adam, RMSprop
+from tests.helpers import entry_text
+
+#: every factory whose coupled weight decay is fixed at 0 when built so, with the
+#: keywords that make it take that branch
+L2_FACTORIES = {
+    "sgd": (fo.sgd, {"lr": 0.1, "momentum": 0.9}),
+    "sgd_plain": (fo.sgd, {"lr": 0.1}),
+    "adam": (fo.adam, {"lr": 0.1}),
+    "adam_amsgrad": (fo.adam, {"lr": 0.1, "amsgrad": True}),
+    "adagrad": (fo.adagrad, {"lr": 0.1}),
+    "rmsprop": (fo.rmsprop, {"lr": 0.01}),
+    "rmsprop_momentum_centered": (fo.rmsprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    "adamax": (fo.adamax, {"lr": 0.1}),
+    "nadam": (fo.nadam, {"lr": 0.1}),
+    "radam": (fo.radam, {"lr": 0.1}),
+    "asgd": (fo.asgd, {"lr": 0.1}),
+    "adadelta": (fo.adadelta, {"lr": 0.5}),
+}
+IDS = list(L2_FACTORIES)
+
+
+def _tree(dtype=jnp.float32):
+    return {"w": jnp.linspace(-1.0, 1.5, 7, dtype=dtype), "b": jnp.array([0.5, -0.25], dtype)}
+
+
+def _grads(i, dtype=jnp.float32):
+    return {
+        "w": jnp.sin(jnp.arange(7, dtype=dtype) + i).astype(dtype),
+        "b": jnp.array([0.1 * i - 0.3, 0.2], dtype),
+    }
+
+
+def _run(tx, steps=4, dtype=jnp.float32, state=None):
+    params = _tree(dtype)
+    state = tx.init(params) if state is None else state
+    step = jax.jit(functools.partial(fo.step, tx))
+    for i in range(steps):
+        params, state = step(params, _grads(i, dtype), state)
+    return params, state
+
+
+def _assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_fixed_zero_weight_decay_computes_the_same_bits(name, dtype):
+    """The fixed branch and the select it replaces give the same params and buffers."""
+    factory, kwargs = L2_FACTORIES[name]
+    fixed = factory(**kwargs)
+    assert dict(fixed.init(_tree()).hparams.static[FIXED])["weight_decay"] == "zero"
+    with changeable_hparams():
+        selected = factory(**kwargs)
+    assert FIXED not in selected.init(_tree()).hparams.static
+    (p1, s1), (p2, s2) = _run(fixed, dtype=dtype), _run(selected, dtype=dtype)
+    _assert_same(p1, p2)
+    names = set(s1.buffers)
+    if set(s2.buffers) != names:  # changeable SGD keeps a buffer for momentum 0 (and its
+        names.discard("step")  # ``step`` counts only steps with momentum != 0)
+    _assert_same({n: s1.buffers[n] for n in names}, {n: s2.buffers[n] for n in names})
+
+
+@pytest.mark.parametrize("fused", [False, True, None], ids=["rule", "kernel", "auto"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
+def test_fused_kernels_match_the_fixed_rule(name, fused):
+    factory, kwargs = L2_FACTORIES[name]
+    rule = _run(factory(**kwargs, fused=False))
+    _assert_same(_run(factory(**kwargs, fused=fused)), rule)
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_set_hparams_refuses_a_nonzero_weight_decay(name):
+    factory, kwargs = L2_FACTORIES[name]
+    state = factory(**kwargs).init(_tree())
+    with pytest.raises(ValueError, match=r"weight_decay=0\.1 for an optimizer built with weight_decay=0"):
+        fo.set_hparams(state, weight_decay=0.1)
+    with pytest.raises(ValueError, match="weight_decay"):
+        fo.set_hparams(state, lr=0.2, weight_decay=0.1)  # nothing changes: lr neither
+    assert float(fo.get_hparams(state)["lr"]) == pytest.approx(kwargs["lr"])
+    fo.set_hparams(state, weight_decay=0.0, lr=0.2)  # zero stays allowed
+
+
+@pytest.mark.parametrize("factory", [fo.sgd, fo.rmsprop], ids=["sgd", "rmsprop"])
+def test_set_hparams_refuses_a_zero_momentum_where_it_is_fixed(factory):
+    state = factory(lr=0.01, momentum=0.9).init(_tree())
+    assert dict(state.hparams.static[FIXED])["momentum"] == "nonzero"
+    with pytest.raises(ValueError, match=r"momentum=0\.0 for an optimizer built with a nonzero momentum"):
+        fo.set_hparams(state, momentum=0.0)
+    fo.set_hparams(state, momentum=0.5)
+
+
+def test_a_nonzero_weight_decay_and_decoupled_decay_stay_changeable():
+    # built nonzero: the select stays, and set_hparams may move it to 0 and back
+    state = fo.sgd(lr=0.1, weight_decay=0.1).init(_tree())
+    assert FIXED not in state.hparams.static
+    fo.set_hparams(fo.set_hparams(state, weight_decay=0.0), weight_decay=0.2)
+    # the decoupled factor costs no extra read: AdamW (and decoupled NAdam/RAdam) fix nothing
+    for tx in (
+        fo.adamw(weight_decay=0.0),
+        fo.nadam(decoupled_weight_decay=True),
+        fo.radam(decoupled_weight_decay=True),
+    ):
+        state = tx.init(_tree())
+        assert FIXED not in state.hparams.static
+        fo.set_hparams(state, weight_decay=0.3)
+
+
+def _param_readers(tx, name="params"):
+    """Fusions (and other ops) of the compiled step's entry computation that read the
+    parameters (``name="params"``) or the gradients."""
+    params = {"w": jnp.zeros(4096, jnp.float32)}
+    f = jax.jit(functools.partial(fo.step, tx), donate_argnums=(0, 2))
+    text = entry_text(f.lower(params, params, tx.init(params)).compile())
+    arg = re.search(rf"%({name}__w__[.\d]*) = f32\[4096\]", text).group(1)
+    return [line for line in text.splitlines() if f"%{arg}," in line or f"%{arg})" in line]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "rmsprop", "adadelta"])
+def test_only_the_parameter_pass_reads_the_param(name):
+    """The point of the flag: with weight_decay fixed at 0, one loop reads the param
+    (the one that writes it); the select made every moment pass read it too."""
+    factory, kwargs = L2_FACTORIES[name]
+    with changeable_hparams():
+        before = _param_readers(
+            factory(**kwargs, **({"fused": False} if name in ("sgd", "adam", "adagrad") else {}))
+        )
+    after = _param_readers(
+        factory(**kwargs, **({"fused": False} if name in ("sgd", "adam", "adagrad") else {}))
+    )
+    assert len(after) == 1, after
+    assert len(before) > 1, before
+
+
+def test_sgd_with_fixed_momentum_reads_the_gradient_once():
+    with changeable_hparams():
+        before = _param_readers(fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-4, fused=False), "grads")
+    after = _param_readers(fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-4, fused=False), "grads")
+    assert len(after) == 1, after
+    assert len(before) == 2, before
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+def _restored(state, **values):
+    """``state`` with hyperparameter values from elsewhere, as orbax restores a
+    checkpoint into a target: the target's structure (static flags), the saved values."""
+    return state._replace(
+        hparams=state.hparams.replace(
+            **{k: jnp.asarray(v, state.hparams[k].dtype) for k, v in values.items()}
+        )
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["rule", "kernel"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "rmsprop", "nadam"])
+def test_a_restored_nonzero_weight_decay_steps_to_nan(name, fused):
+    factory, kwargs = L2_FACTORIES[name]
+    kwargs = {**kwargs, **({"fused": fused} if name in ("sgd", "adam", "adagrad") else {})}
+    if fused and name not in ("sgd", "adam", "adagrad"):
+        pytest.skip("no kernel")
+    tx = factory(**kwargs)
+    state = _restored(tx.init(_tree()), weight_decay=0.1)
+    params, _ = _run(tx, steps=1, state=state)
+    assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
+    # the consistent state steps normally, with the same compiled step
+    params, _ = _run(tx, steps=1)
+    assert not any(bool(jnp.isnan(p).any()) for p in jax.tree.leaves(params))
+
+
+def test_a_restored_zero_momentum_steps_to_nan():
+    tx = fo.sgd(lr=0.1, momentum=0.9)
+    params, _ = _run(tx, steps=2, state=_restored(tx.init(_tree()), momentum=0.0))
+    assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
+
+
+def test_a_pickled_state_of_another_build_steps_to_nan():
+    saved = pickle.dumps(fo.adam(lr=0.1, weight_decay=0.1).init(_tree()))
+    params, _ = _run(fo.adam(lr=0.1), steps=1, state=pickle.loads(saved))
+    assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
+
+
+def test_an_orbax_restore_of_another_build_steps_to_nan(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    saved = fo.adagrad(lr=0.1, weight_decay=0.1).init(_tree())
+    tx = fo.adagrad(lr=0.1)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "s", saved)
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(tmp_path / "s", tx.init(_tree()))
+    assert float(fo.get_hparams(state)["weight_decay"]) == pytest.approx(0.1)
+    params, _ = _run(tx, steps=1, state=state)
+    assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
+    with pytest.raises(ValueError, match="weight_decay"):
+        fo.set_hparams(state, lr=0.2)  # the mismatch is named on the Python path too
+
+
+def test_the_guard_under_grad_accumulate():
+    tx = fo.grad_accumulate(fo.adam(lr=0.1, fused=True), every=2)
+    state = tx.init(_tree())
+    # the inner Adam's weight_decay set behind set_hparams' back (as a restore would)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    new = [jnp.asarray(0.1, v.dtype) if "weight_decay" in jax.tree_util.keystr(p) else v for p, v in leaves]
+    state = jax.tree_util.tree_unflatten(treedef, new)
+    params = _tree()
+    for i in range(2):
+        params, state = fo.step(tx, params, _grads(i), state)
+    assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
+
+
+# --------------------------------------------------------------------------- changeable paths
+
+
+def test_arrays_schedules_and_inject_hyperparams_keep_weight_decay_changeable():
+    assert FIXED not in fo.adam(weight_decay=jnp.asarray(0.0)).init(_tree()).hparams.static
+    assert FIXED not in fo.adam(weight_decay=lambda count: 0.0 * count).init(_tree()).hparams.static
+    injected = optax.inject_hyperparams(fo.adam)(lr=0.1, weight_decay=0.0)
+    params = _tree()
+    state = injected.init(params)
+    state.hyperparams["weight_decay"] = jnp.asarray(0.1, state.hyperparams["weight_decay"].dtype)
+    updates, _ = injected.update(_grads(0), state, params)
+    ours = optax.apply_updates(params, updates)
+    ref_updates, _ = fo.adam(lr=0.1, weight_decay=0.1).update(
+        _grads(0), fo.adam(lr=0.1, weight_decay=0.1).init(params), params
+    )
+    _assert_same(ours, optax.apply_updates(params, ref_updates))
+
+
+def test_param_groups_refuse_per_group():
+    tx = fo.param_groups(fo.adam, {"b": {"where": r"^b$", "weight_decay": 0.0}}, lr=0.1, weight_decay=0.1)
+    state = tx.init(_tree())
+    with pytest.raises(ValueError, match=r"weight_decay=0\.2 for an optimizer built with weight_decay=0"):
+        fo.set_hparams(state, group="b", weight_decay=0.2)
+    fo.set_hparams(state, group="default", weight_decay=0.0)
+
+
+# --------------------------------------------------------------------------- the facade
+
+
+def _facade_run(opt, schedule, dtype=jnp.float64):
+    """Steps with ``param_groups[0]`` edits: ``schedule`` a list of per-step dicts."""
+    for i, edits in enumerate(schedule):
+        opt.param_groups[0].update(edits)
+        opt.grad = _grads(i, dtype)
+        opt.step()
+    return opt.params
+
+
+def test_facade_weight_decay_edit_rebuilds_and_matches_a_changeable_build():
+    schedule = [{}, {"weight_decay": 0.1}, {}, {"weight_decay": 0.0}, {"weight_decay": 0.05}]
+    opt = Adam(_tree(jnp.float64), lr=0.1)
+    assert FIXED in opt.state.hparams.static
+    ours = _facade_run(opt, schedule)
+    assert FIXED not in opt.state.hparams.static
+    with changeable_hparams():
+        ref = Adam(_tree(jnp.float64), lr=0.1)
+    _assert_same(ours, _facade_run(ref, schedule))
+
+
+def test_facade_matches_torch_across_the_fixed_flags():
+    torch = pytest.importorskip("torch")
+    schedule = [{}, {"momentum": 0.0, "weight_decay": 0.1}, {}, {"momentum": 0.5}, {"weight_decay": 0.0}]
+    opt = SGD(_tree(jnp.float64), lr=0.1, momentum=0.9)
+    ours = _facade_run(opt, schedule)
+    tp = {k: torch.tensor(np.asarray(v)) for k, v in _tree(jnp.float64).items()}
+    topt = torch.optim.SGD(list(tp.values()), lr=0.1, momentum=0.9)
+    for i, edits in enumerate(schedule):
+        topt.param_groups[0].update(edits)
+        for k, t in tp.items():
+            t.grad = torch.tensor(np.asarray(_grads(i, jnp.float64)[k]))
+        topt.step()
+    for k in tp:
+        np.testing.assert_array_equal(ours[k], tp[k].numpy())
+
+
+def test_facade_rmsprop_momentum_to_zero_keeps_the_buffer_like_torch():
+    torch = pytest.importorskip("torch")
+    schedule = [{}, {"momentum": 0.0}, {"momentum": 0.5}]
+    ours = _facade_run(RMSprop(_tree(jnp.float64), lr=0.01, momentum=0.9), schedule)
+    tp = {k: torch.tensor(np.asarray(v)) for k, v in _tree(jnp.float64).items()}
+    topt = torch.optim.RMSprop(list(tp.values()), lr=0.01, momentum=0.9)
+    for i, edits in enumerate(schedule):
+        topt.param_groups[0].update(edits)
+        for k, t in tp.items():
+            t.grad = torch.tensor(np.asarray(_grads(i, jnp.float64)[k]))
+        topt.step()
+    for k in tp:
+        np.testing.assert_allclose(ours[k], tp[k].numpy(), rtol=1e-14)
+
+
+def test_facade_load_state_dict_and_pickle_across_the_flag():
+    src = Adam(_tree(jnp.float64), lr=0.1, weight_decay=0.1)
+    _facade_run(src, [{}])
+    dst = Adam(_tree(jnp.float64), lr=0.1)
+    dst.params = src.params  # (a state dict holds no parameters)
+    dst.load_state_dict(src.state_dict())
+    assert float(fo.get_hparams(dst.state)["weight_decay"]) == pytest.approx(0.1)
+    _assert_same(_facade_run(dst, [{}, {}]), _facade_run(src, [{}, {}]))
+    # a group made changeable by an edit stays so through pickle
+    opt = Adam(_tree(jnp.float64), lr=0.1)
+    _facade_run(opt, [{"weight_decay": 0.1}])
+    twin = pickle.loads(pickle.dumps(opt))
+    _assert_same(
+        _facade_run(twin, [{"weight_decay": 0.0}, {"weight_decay": 0.2}]),
+        _facade_run(opt, [{"weight_decay": 0.0}, {"weight_decay": 0.2}]),
+    )
+
+
+def test_facade_state_assignment_across_the_flag_rebuilds():
+    """A state restored (orbax: into the optimizer's own structure) with values the
+    compiled step fixed otherwise: the group is rebuilt, no NaN, torch's rule."""
+    src = Adam(_tree(jnp.float64), lr=0.1, weight_decay=0.1)
+    _facade_run(src, [{}])
+    dst = Adam(_tree(jnp.float64), lr=0.1)
+    dst.params = src.params
+    dst.state = _restored(dst.state, weight_decay=0.1)._replace(
+        buffers=src.state.buffers, count=src.state.count
+    )
+    assert dst.param_groups[0]["weight_decay"] == pytest.approx(0.1)
+    _assert_same(_facade_run(dst, [{}, {}]), _facade_run(src, [{}, {}]))
