@@ -91,7 +91,9 @@ def test_signature_matches_torch():
 
 def test_no_recompile_on_hparam_change():
     af.assert_no_recompile(
-        NAME, {}, {"lr": 0.02, "betas": (0.8, 0.99), "momentum_decay": 0.1, "weight_decay": 0.2}
+        NAME,
+        {"weight_decay": 0.1},
+        {"lr": 0.02, "betas": (0.8, 0.99), "momentum_decay": 0.1, "weight_decay": 0.2},
     )
 
 
