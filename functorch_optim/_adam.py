@@ -62,7 +62,7 @@ def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> di
         "lr": lr,
         "betas": (beta1, beta2),
         # a Python bool where the compiled step fixes it (``Algorithm.fixed_zero``)
-        "use_weight_decay": jnp.asarray(in_use(static, hp, "weight_decay")),
+        "use_weight_decay": in_use(static, hp, "weight_decay"),
         "lerp_weight": weight,
         "lerp_small_weight": jnp.abs(weight) < 0.5,
         "lerp_one_minus_weight": 1 - weight,
@@ -92,7 +92,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # (built with weight_decay=0, a number: torch's branch is decided here, and no
         # moment pass reads the param)
         coupled = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
-        grad = jnp.where(hp["use_weight_decay"], coupled, grad)
+        use = hp["use_weight_decay"]  # True where a nonzero number is compiled in
+        grad = coupled if use is True else jnp.where(use, coupled, grad)
     # lerp(exp_avg, grad, 1 - beta1): torch's two-branch CPU formula
     start, end = c(buffers["exp_avg"]), c(grad)
     diff = end - start

@@ -434,22 +434,29 @@ def rule_step(
     param, grad, buffers, step, active = leaf
     # ``one`` may be the Python int 1 (``make_optimizer``'s constant counter increment)
     const = one if isinstance(one, int) else None
-    args = (param, grad, buffers, step, hparams_of(param.dtype), None if const is not None else one, active)
+    # a Python bool among the prepared scalars (a flag the compiled step fixes, as
+    # ``in_use`` gives it) is part of the nested call's key, not an operand: an operand
+    # would be a constant at every call site
+    hp = hparams_of(param.dtype)
+    flags = tuple(sorted((k, v) for k, v in hp.items() if isinstance(v, bool)))
+    hp = {k: v for k, v in hp.items() if not isinstance(v, bool)}
+    args = (param, grad, buffers, step, hp, None if const is not None else one, active)
     key = _static_key(static) if _all_staged(args) else None
     if key is not None:
-        return _staged_rule(algorithm, key, const, *args)
-    return _rule(algorithm, static, const, *args)
+        return _staged_rule(algorithm, key, const, flags, *args)
+    return _rule(algorithm, static, const, flags, *args)
 
 
-def _rule(algorithm: Algorithm, static, const, param, grad, buffers, step, hp, one, active):
+def _rule(algorithm: Algorithm, static, const, flags, param, grad, buffers, step, hp, one, active):
+    hp = {**hp, **dict(flags)}
     new_step = step + (const if one is None else one)
     new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
     return masked(active, new_param, {"step": new_step, **new}, param, {"step": step, **buffers})
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _staged_rule(algorithm: Algorithm, static_key: tuple, const: int | None, *args: Any):
-    return _rule(algorithm, dict(static_key), const, *args)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _staged_rule(algorithm: Algorithm, static_key: tuple, const: int | None, flags: tuple, *args: Any):
+    return _rule(algorithm, dict(static_key), const, flags, *args)
 
 
 def _static_key(static: Mapping[str, Any]) -> tuple | None:

@@ -499,7 +499,7 @@ def sgd_kernel(
         leaves,
         ["momentum_buffer"] if static["has_momentum"] else [],
         [hp["neg_lr"], hp["momentum"], hp["one_minus_dampening"], hp["weight_decay"]],
-        [active, hp["use_weight_decay"], steps == 1, hp["use_momentum"]],
+        [active, jnp.asarray(hp["use_weight_decay"]), steps == 1, jnp.asarray(hp["use_momentum"])],
         window,
         has_momentum=static["has_momentum"],
         nesterov=static["nesterov"],
@@ -533,7 +533,11 @@ def adam_kernel(
         hp["eps"],
         -lr_over(lr, bias_correction1, static),
     ]
-    flags = [jnp.stack([leaf[4] for leaf in leaves]), hp["use_weight_decay"], hp["lerp_small_weight"]]
+    flags = [
+        jnp.stack([leaf[4] for leaf in leaves]),
+        jnp.asarray(hp["use_weight_decay"]),
+        hp["lerp_small_weight"],
+    ]
     return _call(
         "fo_adam",
         leaves,

@@ -44,11 +44,11 @@ def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> di
     return {
         "weight_decay": c(wd),
         # a Python bool where the compiled step fixes it (``Algorithm.fixed_zero``)
-        "use_weight_decay": jnp.asarray(in_use(static, hp, "weight_decay")),
+        "use_weight_decay": in_use(static, hp, "weight_decay"),
         "momentum": c(momentum),
         "one_minus_dampening": c(1 - hp["dampening"]),
         # torch skips the buffer entirely while momentum == 0 (set through set_hparams)
-        "use_momentum": jnp.asarray(in_use(static, hp, "momentum")),
+        "use_momentum": in_use(static, hp, "momentum"),
         "neg_lr": c(-hp["lr"]),
     }
 
@@ -69,7 +69,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
             return grad
         # torch: ``if weight_decay != 0: grad = grad.add(param, alpha=weight_decay)``
         decayed = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
-        return jnp.where(hp["use_weight_decay"], decayed, grad)
+        use = hp["use_weight_decay"]  # True where a nonzero number is compiled in
+        return decayed if use is True else jnp.where(use, decayed, grad)
 
     out = {}
     if not static["has_momentum"]:

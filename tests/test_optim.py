@@ -591,7 +591,7 @@ def test_param_group_assignment_takes_effect_without_recompiling():
     np.testing.assert_allclose(opt.params["w_compile_count"], w, rtol=1e-14)
     # a fresh optimizer compiles its numbers' zero-ness in (the rebuilt group keeps them
     # changeable): one program more; a second one of the same configuration reuses it
-    for k, lr in enumerate([0.7, 0.4]):
+    for lr in [0.7, 0.4]:
         twin = SGD({"w_compile_count": jnp.array([0.0, 0.0])}, lr=lr, momentum=0.5, nesterov=True)
         twin.grad = grad
         twin.step()

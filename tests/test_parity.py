@@ -406,9 +406,10 @@ def _sgd_spec(name, grid, factory=fo.sgd):
 
 
 def test_an_optimizers_rows_compile_one_program_with_a_slot_per_step():
-    # two structures (with and without a momentum buffer), two configs each: numbers are data
+    # two structures (with and without a momentum buffer), two configs each: numbers are
+    # data (the same zero-ness: a weight_decay or momentum number of 0 is compiled in)
     configs = [
-        {"lr": 0.1},
+        {"lr": 0.1, "weight_decay": 0.2},
         {"lr": 0.1, "momentum": 0.9},
         {"lr": 0.01, "weight_decay": 0.05},
         {"lr": 0.01, "momentum": 0.5, "dampening": 0.3},
