@@ -291,30 +291,32 @@ def test_facade_matches_torch_across_the_fixed_flags():
     schedule = [{}, {"momentum": 0.0, "weight_decay": 0.1}, {}, {"momentum": 0.5}, {"weight_decay": 0.0}]
     opt = SGD(_tree(jnp.float64), lr=0.1, momentum=0.9)
     ours = _facade_run(opt, schedule)
+    theirs = _torch_run(torch.optim.SGD, schedule, lr=0.1, momentum=0.9)
+    for k in theirs:
+        np.testing.assert_array_equal(ours[k], theirs[k])
+
+
+def _torch_run(torch_optimizer, schedule, **config):
+    """torch's params after the steps of ``schedule`` (param_groups edits before each)."""
+    import torch
+
     tp = {k: torch.tensor(np.asarray(v)) for k, v in _tree(jnp.float64).items()}
-    topt = torch.optim.SGD(list(tp.values()), lr=0.1, momentum=0.9)
+    topt = torch_optimizer(list(tp.values()), **config)
     for i, edits in enumerate(schedule):
         topt.param_groups[0].update(edits)
         for k, t in tp.items():
             t.grad = torch.tensor(np.asarray(_grads(i, jnp.float64)[k]))
         topt.step()
-    for k in tp:
-        np.testing.assert_array_equal(ours[k], tp[k].numpy())
+    return {k: t.numpy() for k, t in tp.items()}
 
 
 def test_facade_rmsprop_momentum_to_zero_keeps_the_buffer_like_torch():
     torch = pytest.importorskip("torch")
     schedule = [{}, {"momentum": 0.0}, {"momentum": 0.5}]
     ours = _facade_run(RMSprop(_tree(jnp.float64), lr=0.01, momentum=0.9), schedule)
-    tp = {k: torch.tensor(np.asarray(v)) for k, v in _tree(jnp.float64).items()}
-    topt = torch.optim.RMSprop(list(tp.values()), lr=0.01, momentum=0.9)
-    for i, edits in enumerate(schedule):
-        topt.param_groups[0].update(edits)
-        for k, t in tp.items():
-            t.grad = torch.tensor(np.asarray(_grads(i, jnp.float64)[k]))
-        topt.step()
-    for k in tp:
-        np.testing.assert_allclose(ours[k], tp[k].numpy(), rtol=1e-14)
+    theirs = _torch_run(torch.optim.RMSprop, schedule, lr=0.01, momentum=0.9)
+    for k in theirs:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-14)
 
 
 def test_facade_load_state_dict_and_pickle_across_the_flag():
