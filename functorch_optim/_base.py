@@ -188,6 +188,7 @@ def is_number(value: Any) -> bool:
 def _fixed_flags(
     algorithm: Algorithm, hparams: Mapping[str, Any], static: Mapping[str, Any]
 ) -> tuple[tuple[str, str], ...]:
+    # the guard for a mismatched restored state poisons ``lr``: no lr, nothing is fixed
     if changeable() or "lr" not in hparams:
         return ()
     zeros = algorithm.fixed_zero(static) if callable(algorithm.fixed_zero) else algorithm.fixed_zero
