@@ -376,7 +376,10 @@ def bench_steps(
         make, make_optax, _, _ = STEP_KINDS[kind]
         fo_tx, opt_tx = make(), make_optax()
         fused_tx = make(fused=True)
-        for name, tx in (("functorch_optim", fo_tx), ("fo fused", fused_tx)):
+        # the default (fused=None: the kernel where it applies), the kernel forced, and the
+        # jitted rule forced (what runs on a GPU or TPU)
+        named = (("functorch_optim", fo_tx), ("fo fused", fused_tx), ("fo fused=False", make(fused=False)))
+        for name, tx in named:
             contenders.append(jax_contender(name, fo_step_fn(tx), tx.init, np_leaves, grads, nbytes, kind))
         contenders.append(
             jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes, kind)
@@ -413,6 +416,8 @@ def bench_steps(
             "fo flat/torch fused": _ratio(t, "fo flat", "torch fused"),
             "fo fused/torch fused": _ratio(t, "fo fused", "torch fused"),
             "fo fused/optax": _ratio(t, "fo fused", "optax"),
+            "fo fused=False/optax": _ratio(t, "fo fused=False", "optax"),
+            "fo fused=False/torch fused": _ratio(t, "fo fused=False", "torch fused"),
         }
         rows.append(row)
         del contenders, grads
@@ -686,6 +691,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     best = lambda r: "fo fused" if r["leaves"] == 1 else "fo flat"
     t = lambda r, name: r["times_ms"].get(name)
     ratio = lambda r, a, b: (t(r, a) / t(r, b)) if t(r, a) and t(r, b) else None
+    steps = [r for k in STEP_KINDS for r in result.get(k, [])]
+    for layout, name in (("tree, default", "functorch_optim"), ("tree, fused=False", "fo fused=False")):
+        add(
+            "0. step / optax (every step row)",
+            layout,
+            [(label(r), ratio(r, name, "optax")) for r in steps],
+            1.0,
+        )
     for layout, pick in (
         ("tree, fused=True", lambda r: "fo fused"),
         ("best: flat if > 1 leaf, fused=True", best),
@@ -799,20 +812,23 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### Optimizer step, float32 (median ms; % of the in-place ceiling measured in the same row)",
             "",
-            "| step | params | leaves | functorch_optim | fo fused=True | fo flat fused | optax "
-            "| torch foreach | torch fused | fo / torch fused | fo fused=True / torch fused "
+            "| step | params | leaves | functorch_optim | fo fused=True | fo fused=False | fo flat fused "
+            "| optax | torch foreach | torch fused | fo / optax | fo fused=False / optax "
+            "| fo / torch fused | fo fused=True / torch fused "
             "| fo fused=True / optax | fo flat fused / torch fused | fo fused=True GB/s | ceiling GB/s "
             "| fo % | fo fused=True % | optax % | torch fused % "
             "| peak fo ×P | peak fo fused=True ×P | peak optax ×P |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|" + "---|" * 25,
         ]
         for r in steps:
             t, f, m, q = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"], r["ratios"]
             pct = lambda k, f=f: _fmt(100 * f[k], ".0f") if k in f else "—"
             lines.append(
                 f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} "
-                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo fused'))} | {_fmt(t.get('fo flat'))} "
+                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo fused'))} "
+                f"| {_fmt(t.get('fo fused=False'))} | {_fmt(t.get('fo flat'))} "
                 f"| {_fmt(t.get('optax'))} | {_fmt(t.get('torch foreach'))} | {_fmt(t.get('torch fused'))} "
+                f"| {_fmt(q.get('fo/optax'))} | {_fmt(q.get('fo fused=False/optax'))} "
                 f"| {_fmt(q['fo/torch fused'])} | {_fmt(q.get('fo fused/torch fused'))} "
                 f"| {_fmt(q.get('fo fused/optax'))} | {_fmt(q.get('fo flat/torch fused'))} "
                 f"| {_fmt(r['gbps'].get('fo fused'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
@@ -915,7 +931,15 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=False):
         if panel == "steps":
-            names = ["functorch_optim", "fo fused", "fo flat", "optax", "torch foreach", "torch fused"]
+            names = [
+                "functorch_optim",
+                "fo fused",
+                "fo fused=False",
+                "fo flat",
+                "optax",
+                "torch foreach",
+                "torch fused",
+            ]
             labels = [f"{r['algorithm']} {_size(r['params'])}×{r['leaves']}" for r in steps]
             width = 0.8 / len(names)
             for i, name in enumerate(names):

@@ -52,7 +52,7 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
         rows = data[kind]
         assert [(r["params"], r["leaves"]) for r in rows] == [(20_000, 1), (20_000, 4)]
         expected = {"optax", "torch foreach", "torch fused", "ceiling jax", "ceiling torch"}
-        expected |= {"functorch_optim", "fo fused"}
+        expected |= {"functorch_optim", "fo fused", "fo fused=False"}
         for row in rows:
             # the flat layout is timed where there is more than one leaf to pack
             names = expected | ({"fo flat"} if row["leaves"] > 1 else set())
@@ -66,9 +66,10 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
             # sum: 3; Adam: 4)
             floor = 4.0 if kind == "adam" else 3.0
             assert floor <= row["memory_x_params"]["optax"] < floor + 0.1
-            for name in ("functorch_optim", "fo fused"):
+            for name in ("functorch_optim", "fo fused", "fo fused=False"):
                 assert floor <= row["memory_x_params"][name] < floor + 0.1, name
-            for ratio in ("fo/torch fused", "fo/optax", "fo fused/torch fused", "fo fused/optax"):
+            ratios = ("fo/torch fused", "fo/optax", "fo fused/torch fused", "fo fused/optax")
+            for ratio in (*ratios, "fo fused=False/optax", "fo fused=False/torch fused"):
                 assert _finite_positive(row["ratios"][ratio]), ratio
 
 
@@ -149,3 +150,16 @@ def test_torch_follows_jax_onto_its_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
     side.timed(lambda: calls.append("step"))()
     assert calls == ["step", "sync"]  # a CUDA step is timed until the device is done
+
+
+def test_targets_check_the_default_and_the_jitted_rule_against_optax_on_every_step_row(result):
+    from functorch_optim._bench import targets
+
+    found = {t["layout"]: t for t in targets(result["json"]) if t["target"].startswith("0. step / optax")}
+    assert set(found) == {"tree, default", "tree, fused=False"}
+    for layout, name in (("tree, default", "functorch_optim"), ("tree, fused=False", "fo fused=False")):
+        rows = [r for k in ("sgd", "adam", "adagrad") for r in result["json"][k]]
+        worst = max(r["times_ms"][name] / r["times_ms"]["optax"] for r in rows)
+        assert found[layout]["worst"] == pytest.approx(worst)
+        assert found[layout]["holds"] == (worst <= 1.0)
+    assert "0. step / optax (every step row)" in result["md"]
