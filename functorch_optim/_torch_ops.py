@@ -146,10 +146,10 @@ def rounded_product(a: jax.Array, b: Any) -> jax.Array:
     """``a * b`` in ``a``'s dtype, rounded before whatever follows: torch rounds every
     tensor op, where XLA on the CPU may contract a product into a following add or
     subtract (one FMA; neither an ``optimization_barrier`` nor a round trip through
-    float64 stops it). ``fma(a, b, 0)`` is the rounded product, and its result is a
-    select, which no contraction crosses."""
-    b = jnp.asarray(b).astype(a.dtype)
-    return fma(a, b, jnp.zeros_like(a))
+    float64 stops it). The product passed through ``stored``'s select, which no
+    contraction crosses: a compare per element, where an exact ``fma(a, b, 0)``
+    would cost a few times the whole elementwise step (and drop the sign of a zero)."""
+    return stored(a * jnp.asarray(b).astype(a.dtype))
 
 
 def stored(x: jax.Array) -> jax.Array:
