@@ -488,22 +488,13 @@ def _closure_problem(params: Any, dtype: Any) -> dict[str, Any]:
 
 
 class _OptaxRunner:
-    """optax's side, op by op: a few dozen small steps cost less than one compilation.
-
-    Unjitted results can differ from jitted optax by a rounding (about 1e-16 relative:
-    XLA may contract a multiply and an add), far below the gaps this column exists to
-    show; the verdict threshold is the float64 tolerance.
-    """
+    """optax's side of one row, op by op: where ``_OptaxSteps``' program fails, so that
+    the error shows on the row that causes it."""
 
     def __init__(self, tx: Any, params: Any):
         self.params = jax.tree.map(jnp.asarray, params)
         self.state = tx.init(self.params)
-
-        def step(p, g, s):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
-        self.step_fn = step
+        self.step_fn = functools.partial(_optax_step, tx)
 
     def step(self, grads: Any) -> None:
         grads = jax.tree.map(jnp.asarray, grads)
@@ -671,6 +662,74 @@ def _slot_key(runner: _FoRunner, member: Any, grads: list[Any]) -> Any:
     return (jax.tree.structure(tree), avals)
 
 
+class _OptaxSteps:
+    """optax's side of all rows of one optimizer: every row's closest construction
+    stepped in one compiled program (float64, the rows' shared gradient stream), as
+    ``_BatchedSteps`` does for functorch_optim's side.
+
+    ``runner(config)`` gives ``(text, runner)`` for ``_run`` (a ``_Replay``), or ``None``
+    where optax has nothing comparable; a construction that fails raises on its own
+    row. If the program itself fails, every row steps on its own (``_OptaxRunner``), so
+    an error shows on the row that causes it.
+    """
+
+    def __init__(self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int):
+        self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
+        self._rows: dict[int, Any] | None = None
+
+    def runner(self, config: Mapping[str, Any]) -> tuple[str, Any] | None:
+        if self._rows is None:
+            self._rows = self._compute()
+        found = self._rows[self.configs.index(dict(config))]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def _compute(self) -> dict[int, Any]:
+        shapes = getattr(self.spec, "shapes", None)
+        out: dict[int, Any] = {}
+        members: dict[int, tuple[str, Any, Any, Any]] = {}
+        grads: list[Any] = []
+        for i, config in enumerate(self.configs):
+            try:
+                built = optax_closest(self.spec, config)
+                if built is None:
+                    out[i] = None
+                    continue
+                params, grads = _stream(self.steps, np.float64, shapes)
+                params = jax.tree.map(jnp.asarray, params)
+                members[i] = (built[0], built[1], params, built[1].init(params))
+            except Exception as exc:  # reported by the row
+                out[i] = exc
+        if not members:
+            return out
+        txs = [tx for _, tx, _, _ in members.values()]
+
+        def optax_steps(carry, g):
+            return [_optax_step(tx, p, g, s) for tx, (p, s) in zip(txs, carry, strict=True)]
+
+        try:
+            program = jax.jit(optax_steps)
+            carry = [(p, s) for _, _, p, s in members.values()]
+            after: list[list[tuple[Any, Any]]] = [[] for _ in carry]
+            for t in range(self.steps):
+                carry = [tuple(x) for x in program(carry, jax.tree.map(jnp.asarray, grads[t]))]
+                for k, x in enumerate(carry):
+                    after[k].append(x)
+        except Exception:  # attribute the failure to its row: each row on its own
+            for i, (text, tx, params, _) in members.items():
+                out[i] = (text, _OptaxRunner(tx, params))
+            return out
+        for (i, (text, _, params, state)), trajectory in zip(members.items(), after, strict=True):
+            out[i] = (text, _Replay(params, state, trajectory))
+        return out
+
+
+def _optax_step(tx: Any, params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
 class ProgramCount:
     """XLA programs built while ``_count_programs`` was open, by jitted function name.
 
@@ -729,7 +788,7 @@ def _count_programs() -> Iterator[ProgramCount]:
             _COUNTERS.remove(counter)
 
 
-def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
+def _optimizer_row(spec, config, steps, cache, optax_steps, rtol) -> ParityRow:
     shapes = getattr(spec, "shapes", None)
     closure = bool(getattr(spec, "closure", False))
     if closure:
@@ -768,20 +827,14 @@ def _optimizer_row(spec, config, steps, cache, with_optax, rtol) -> ParityRow:
         row.verdict = "MISMATCH" if bad else "match"
     except Exception as exc:  # a row that cannot run is reported, never hides the others
         row.verdict, row.error = "ERROR", f"{type(exc).__name__}: {exc}"
-    if with_optax:
+    if optax_steps is not None:
         try:
-            built = optax_closest(spec, config)
+            built = optax_steps.runner(config)
             if built is not None:
-                row.optax, tx = built
+                row.optax, runner = built
                 params, grads = _stream(steps, np.float64, shapes)
                 report = _run(
-                    spec,
-                    config,
-                    "float64",
-                    _OptaxRunner(tx, params),
-                    _TorchRunner(spec, config, params),
-                    _GradFeed(grads),
-                    (),
+                    spec, config, "float64", runner, _TorchRunner(spec, config, params), _GradFeed(grads), ()
                 )
                 row.optax_rel_f64 = report.max_rel
         except Exception as exc:  # optax's side is informative only
@@ -1069,9 +1122,10 @@ def run_parity(
     def optimizer_rows(spec: Any, configs: list[dict[str, Any]]) -> list[ParityRow]:
         # an optimizer's rows run in one compiled program (closure-driven: a step each)
         cache = _StepCache() if _is_closure(spec) else _BatchedSteps(spec, configs, steps)
+        optax_side = _OptaxSteps(spec, configs, steps) if with_optax else None
         out = []
         for config in configs:
-            out.append(_optimizer_row(spec, config, steps, cache, with_optax, rtol))
+            out.append(_optimizer_row(spec, config, steps, cache, optax_side, rtol))
             done(spec.torch_name)
         return out
 

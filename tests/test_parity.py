@@ -224,7 +224,7 @@ def test_compiled_steps_are_shared_without_changing_numbers():
     spec = get_spec("sgd")
     configs = [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.01, "momentum": 0.5, "dampening": 0.3}]
     cache = parity._StepCache()
-    rows = [parity._optimizer_row(spec, c, 5, cache, False, parity.DEFAULT_RTOL) for c in configs]
+    rows = [parity._optimizer_row(spec, c, 5, cache, None, parity.DEFAULT_RTOL) for c in configs]
     assert len(cache.fns) == 1  # one structure (momentum buffer, no nesterov/maximize)
     params, grads = parity._stream(5, np.float64)
     for row, c in zip(rows, configs, strict=True):
@@ -417,7 +417,7 @@ def test_an_optimizers_rows_compile_one_program_with_a_slot_per_step():
     spec = _sgd_spec("sgd", tuple(configs))
     batch = parity._BatchedSteps(spec, configs, 4)
     with parity._count_programs() as programs:
-        rows = [parity._optimizer_row(spec, c, 4, batch, False, parity.DEFAULT_RTOL) for c in configs]
+        rows = [parity._optimizer_row(spec, c, 4, batch, None, parity.DEFAULT_RTOL) for c in configs]
     # one program for every row and both dtypes; no program per row
     assert programs.built["jit(parity_steps)"] == 1
     assert programs.built["jit(parity_step)"] == 0
@@ -451,7 +451,7 @@ def test_a_failing_step_errors_its_own_row_only():
     configs = [{"lr": 0.1}, {"lr": 0.1, "maximize": True}, {"lr": 0.1, "no_such_argument": 1}]
     spec = _sgd_spec("sgd", tuple(configs), _exploding_sgd)
     batch = parity._BatchedSteps(spec, configs, 3)
-    rows = [parity._optimizer_row(spec, c, 3, batch, False, parity.DEFAULT_RTOL) for c in configs]
+    rows = [parity._optimizer_row(spec, c, 3, batch, None, parity.DEFAULT_RTOL) for c in configs]
     assert [r.verdict for r in rows] == ["match", "ERROR", "ERROR"]
     assert rows[1].error == "ValueError: boom"
     assert "unexpected keyword argument 'no_such_argument'" in rows[2].error
@@ -473,3 +473,50 @@ def test_rows_are_the_same_on_one_thread_and_on_several():
     assert one.compiled > 0 and one.cache_loaded == 0
     with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
         parity.run_parity(workers=0, **kwargs)
+
+
+def test_optax_rows_of_an_optimizer_step_in_one_program_with_the_numbers_of_each_on_its_own():
+    configs = [
+        {"lr": 0.1, "weight_decay": 0.2},
+        {"lr": 0.1, "momentum": 0.9},
+        {"lr": 0.01, "momentum": 0.5, "dampening": 0.3},
+    ]
+    spec = _sgd_spec("sgd", tuple(configs))
+    side = parity._OptaxSteps(spec, configs, 4)
+    with parity._count_programs() as programs:
+        rows = [
+            parity._optimizer_row(spec, c, 4, parity._StepCache(), side, parity.DEFAULT_RTOL) for c in configs
+        ]
+    assert programs.built["jit(optax_steps)"] == 1
+    for row, c in zip(rows, configs, strict=True):
+        text, tx = parity.optax_closest(spec, c)
+        params, grads = parity._stream(4, np.float64)
+        alone = parity._OptaxRunner(tx, params)
+        report = parity._run(
+            spec, c, "float64", alone, parity._TorchRunner(spec, c, params), parity._GradFeed(grads), ()
+        )
+        assert row.optax == text
+        # jitted or op by op: equal up to a contraction XLA may make (1e-16 relative)
+        np.testing.assert_allclose(row.optax_rel_f64, report.max_rel, rtol=1e-12, atol=1e-15)
+    # optax has no dampening: the third row drifts, the others follow torch
+    assert rows[2].optax_rel_f64 > 1e-3 and max(rows[0].optax_rel_f64, rows[1].optax_rel_f64) <= 1e-14
+
+
+def test_an_optax_construction_that_fails_marks_its_own_row_only(monkeypatch):
+    configs = [{"lr": 0.1}, {"lr": 0.2}]
+    spec = _sgd_spec("sgd", tuple(configs))
+
+    def closest(spec, config):
+        if config["lr"] == 0.2:
+            raise ValueError("no optax for this")
+        return "optax.sgd(0.1)", optax.sgd(0.1)
+
+    monkeypatch.setattr(parity, "optax_closest", closest)
+    side = parity._OptaxSteps(spec, configs, 3)
+    rows = [
+        parity._optimizer_row(spec, c, 3, parity._StepCache(), side, parity.DEFAULT_RTOL) for c in configs
+    ]
+    assert rows[0].optax == "optax.sgd(0.1)" and rows[0].optax_rel_f64 <= 1e-15
+    assert rows[1].optax == "optax (failed: ValueError: no optax for this)"
+    assert rows[1].optax_rel_f64 is None
+    assert [r.verdict for r in rows] == ["match", "match"]
