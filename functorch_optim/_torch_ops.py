@@ -105,6 +105,8 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    if a.dtype == jnp.float32 and jax.config.jax_enable_x64:
+        return _fma_through_float64(a, b, c)
     plain = a * b + c
     p = a * b
     ah, al = _split(a)
@@ -113,14 +115,34 @@ def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
     th, tl = _two_sum(c, p)
     v, w = _two_sum(tl, e)
-    # v rounded to odd: where inexact and even, the neighbour toward the exact value
-    itype = jnp.int64 if a.dtype == jnp.float64 else jnp.int32
-    even = (jax.lax.bitcast_convert_type(v, itype) & 1) == 0
-    odd = jnp.where((w != 0) & even, jnp.nextafter(v, jnp.where(w > 0, jnp.inf, -jnp.inf).astype(v.dtype)), v)
-    exact = th + odd
+    exact = th + _round_to_odd(v, w)
     tiny = jnp.finfo(a.dtype).tiny / jnp.finfo(a.dtype).eps
     usable = jnp.isfinite(plain) & jnp.isfinite(p) & (jnp.abs(p) > tiny)
     return jnp.where(usable, exact, plain)
+
+
+def _fma_through_float64(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """float32 ``a * b + c`` rounded once, where float64 is at hand: the product of two
+    float32 numbers is exact in float64 (24 + 24 significant bits, and no overflow or
+    underflow), so ``a * b + c`` is a float64 sum, rounded to odd in float64 (TwoSum's
+    exact error picks the neighbour) and then to nearest in float32: correct, as 53 >=
+    24 + 2 bits (Boldo and Melquiond), also where the result is subnormal or overflows.
+    A contraction of the product into the sum changes nothing, the product being exact."""
+    p = a.astype(jnp.float64) * b.astype(jnp.float64)
+    s, e = _two_sum(p, c.astype(jnp.float64))
+    odd = jnp.where(jnp.isfinite(s), _round_to_odd(s, e), s)  # inf or NaN: the plain sum
+    return odd.astype(jnp.float32)
+
+
+def _round_to_odd(v: jax.Array, w: jax.Array) -> jax.Array:
+    """``v + w`` (``w`` the exact error of the rounded ``v``, finite ``v``) rounded to odd:
+    ``v`` where exact or odd, else its neighbour toward ``v + w`` (one step of the bit
+    pattern: up in magnitude where ``w`` has ``v``'s sign, down where not)."""
+    itype = jnp.int64 if v.dtype == jnp.float64 else jnp.int32
+    bits = jax.lax.bitcast_convert_type(v, itype)
+    inexact_even = (w != 0) & ((bits & 1) == 0)
+    step = jnp.where((w > 0) == (v > 0), jnp.ones((), itype), -jnp.ones((), itype))
+    return jax.lax.bitcast_convert_type(jnp.where(inexact_even, bits + step, bits), v.dtype)
 
 
 _staged_fma = jax.jit(_fma, inline=True)

@@ -516,6 +516,73 @@ def test_fma_is_rounded_once_in_eager_and_jit():
                     assert err <= abs(Fraction(float(n)) - e)
 
 
+def _float32_fma_cases():
+    """float32 (a, b, c) where one rounding differs from two: near-ties, subnormal and
+    overflowing results, exact cancellations, signed zeros, infinities and NaNs."""
+    rng = np.random.default_rng(1)
+    f = np.float32
+    a = rng.standard_normal(600).astype(f)
+    b = rng.standard_normal(600).astype(f)
+    c = (-(a.astype(np.float64) * b) * (1 + 1e-7 * rng.standard_normal(600))).astype(f)
+    c[:60] = (-(a[:60] * b[:60])).astype(f)  # the rounded product cancelled
+    # a * b = 1 + 2**-24 + 2**-47 (just above a tie of float32's 1 + 2**-24 step)
+    a[60:70], b[60:70], c[60:70] = f(1 + 2**-23), f(1 + 2**-24 + 2**-23), f(-(2**-23))
+    a[70:80] = rng.standard_normal(10).astype(f) * f(1e-20)  # subnormal results (flushed)
+    b[70:80] = rng.standard_normal(10).astype(f) * f(1e-20)
+    c[70:80] = rng.standard_normal(10).astype(f) * f(1e-40)
+    a[80:90], b[80:90], c[80:90] = f(2e19), f(2e19), f(-3e38)  # product overflows, the sum not
+    a[90:95], b[90:95], c[90:95] = f(1e20), f(1e20), f(1.0)  # the result overflows
+    a[95], b[95], c[95] = f(-0.0), f(1.0), f(-0.0)
+    a[96], b[96], c[96] = f(np.inf), f(2.0), f(1.0)
+    a[97], b[97], c[97] = f(np.inf), f(0.0), f(1.0)
+    a[98], b[98], c[98] = f(np.nan), f(1.0), f(1.0)
+    a[99], b[99], c[99] = f(np.inf), f(1.0), f(-np.inf)
+    return a, b, c
+
+
+@pytest.mark.parametrize("x64", [True, False], ids=["through_float64", "dekker"])
+def test_float32_fma_is_correctly_rounded_on_hard_cases_with_and_without_float64(x64):
+    from functorch_optim import _torch_ops
+
+    a, b, c = _float32_fma_cases()
+    if not x64:  # the pair-product path gives the plain expression where a * b overflows
+        a, b, c = (np.delete(x, np.s_[80:90]) for x in (a, b, c))
+    with jax.enable_x64(x64):
+        outs = [
+            np.asarray(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
+            for fn in (_torch_ops.fma, jax.jit(_torch_ops.fma))
+        ]
+    for out in outs:
+        assert out.dtype == np.float32
+        for x, y, z, o in zip(a, b, c, out):
+            _check_one_float32_fma(x, y, z, o)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@np.errstate(invalid="ignore", over="ignore")  # inf * 0 and the overflowing cases
+def _check_one_float32_fma(x, y, z, o):
+    """``o`` is ``x * y + z`` rounded once to float32 (to nearest, ties to even)."""
+    from fractions import Fraction
+
+    if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(z)):
+        np.testing.assert_equal(o, np.float32(np.float64(x) * np.float64(y) + np.float64(z)))
+        return
+    exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+    top = Fraction(float(np.finfo(np.float32).max))
+    half_ulp = Fraction(2) ** (127 - 24)
+    if abs(exact) >= top + half_ulp:  # rounds to infinity
+        assert o == np.inf * np.sign(float(exact))
+    elif exact == 0:
+        assert o == 0 and np.signbit(o) == (np.signbit(x * y) and np.signbit(z))
+    elif abs(exact) < Fraction(float(np.finfo(np.float32).tiny)):
+        assert o == 0  # XLA on the CPU flushes float32 subnormal results to zero, as in every op
+    else:
+        err = abs(Fraction(float(o)) - exact)
+        for n in (np.nextafter(o, np.float32(np.inf)), np.nextafter(o, np.float32(-np.inf))):
+            gap = abs(Fraction(float(n)) - exact) if np.isfinite(n) else None
+            assert gap is None or err < gap or (err == gap and int(o.view(np.int32)) % 2 == 0)
+
+
 def test_fma_inside_jit_is_traced_once_per_shape_and_dtype_into_the_same_program(monkeypatch):
     from functorch_optim import _torch_ops
 
