@@ -105,8 +105,6 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
-    if a.dtype == jnp.float32 and jax.config.jax_enable_x64:
-        return _fma_through_float64(a, b, c)
     plain = a * b + c
     p = a * b
     ah, al = _split(a)
@@ -119,19 +117,6 @@ def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     tiny = jnp.finfo(a.dtype).tiny / jnp.finfo(a.dtype).eps
     usable = jnp.isfinite(plain) & jnp.isfinite(p) & (jnp.abs(p) > tiny)
     return jnp.where(usable, exact, plain)
-
-
-def _fma_through_float64(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
-    """float32 ``a * b + c`` rounded once, where float64 is at hand: the product of two
-    float32 numbers is exact in float64 (24 + 24 significant bits, and no overflow or
-    underflow), so ``a * b + c`` is a float64 sum, rounded to odd in float64 (TwoSum's
-    exact error picks the neighbour) and then to nearest in float32: correct, as 53 >=
-    24 + 2 bits (Boldo and Melquiond), also where the result is subnormal or overflows.
-    A contraction of the product into the sum changes nothing, the product being exact."""
-    p = a.astype(jnp.float64) * b.astype(jnp.float64)
-    s, e = _two_sum(p, c.astype(jnp.float64))
-    odd = jnp.where(jnp.isfinite(s), _round_to_odd(s, e), s)  # inf or NaN: the plain sum
-    return odd.astype(jnp.float32)
 
 
 def _round_to_odd(v: jax.Array, w: jax.Array) -> jax.Array:
