@@ -220,15 +220,15 @@ def optax_sgd() -> optax.GradientTransformation:
     return optax.chain(optax.add_decayed_weights(WEIGHT_DECAY), optax.sgd(LR, momentum=MOMENTUM))
 
 
-def fo_sgd(fused: bool = False) -> Any:
+def fo_sgd(fused: bool | None = None) -> Any:
     return fo.sgd(lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, fused=fused)
 
 
-def fo_adam(fused: bool = False) -> Any:
+def fo_adam(fused: bool | None = None) -> Any:
     return fo.adam(lr=ADAM_LR, fused=fused)
 
 
-def fo_adagrad(fused: bool = False) -> Any:
+def fo_adagrad(fused: bool | None = None) -> Any:
     return fo.adagrad(lr=ADAGRAD_LR, fused=fused)
 
 

@@ -163,3 +163,26 @@ def test_targets_check_the_default_and_the_jitted_rule_against_optax_on_every_st
         assert found[layout]["worst"] == pytest.approx(worst)
         assert found[layout]["holds"] == (worst <= 1.0)
     assert "0. step / optax (every step row)" in result["md"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adagrad"])
+def test_the_default_contender_is_the_library_default(kind):
+    """The "functorch_optim" column is what ``fo.<optimizer>(...)`` gives with only the
+    bench's hyperparameters: the same program as the library's default (the kernel for a
+    leaf of 20k elements where the kernels load), not ``fused=False``'s."""
+    import jax
+    import jax.numpy as jnp
+
+    import functorch_optim as fo
+    from functorch_optim import _bench, _fused
+
+    make, _, _, kwargs = _bench.STEP_KINDS[kind]
+    params = {"w": jnp.full((20_000,), 0.5, jnp.float32)}
+
+    def program(tx):
+        return jax.jit(_bench.fo_step_fn(tx)).lower(params, params, tx.init(params)).as_text()
+
+    default = program(getattr(fo, kind)(**kwargs))
+    assert program(make()) == default
+    if _fused.load_kernels() is not None:
+        assert "custom_call" in default and "custom_call" not in program(make(fused=False))
