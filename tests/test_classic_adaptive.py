@@ -496,88 +496,80 @@ def test_rmsprop_centered_under_cancellation_rounds_like_torch(dtype, alpha, mom
         assert np.isnan(ref).any()
 
 
-def test_fma_is_rounded_once_in_eager_and_jit():
-    from fractions import Fraction
-
-    from functorch_optim._torch_ops import fma
-
-    rng = np.random.default_rng(0)
-    for dtype in (np.float64, np.float32):
-        a, b = rng.standard_normal(400).astype(dtype), rng.standard_normal(400).astype(dtype)
-        c = (-(a.astype(np.float64) * b) * (1 + 1e-7 * rng.standard_normal(400))).astype(dtype)
-        c[:50] = (-(a[:50] * b[:50])).astype(dtype)  # exact cancellation of the rounded product
-        exact = [Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)) for x, y, z in zip(a, b, c)]
-        for fn in (fma, jax.jit(fma)):
-            out = np.asarray(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
-            # correctly rounded: no other number of the dtype is closer to the exact value
-            for o, e in zip(out, exact):
-                err = abs(Fraction(float(o)) - e)
-                for n in (np.nextafter(o, dtype(np.inf)), np.nextafter(o, dtype(-np.inf))):
-                    assert err <= abs(Fraction(float(n)) - e)
-
-
-def _float32_fma_cases():
-    """float32 (a, b, c) where one rounding differs from two: near-ties, subnormal and
-    overflowing results, exact cancellations, signed zeros, infinities and NaNs."""
+def _fma_cases(dtype):
+    """(a, b, c) of ``dtype`` where one rounding differs from two: near-cancellations,
+    exact cancellations of the rounded product, near-ties, subnormal and overflowing
+    results, signed zeros, infinities and NaNs."""
     rng = np.random.default_rng(1)
-    f = np.float32
-    a = rng.standard_normal(600).astype(f)
-    b = rng.standard_normal(600).astype(f)
-    c = (-(a.astype(np.float64) * b) * (1 + 1e-7 * rng.standard_normal(600))).astype(f)
-    c[:60] = (-(a[:60] * b[:60])).astype(f)  # the rounded product cancelled
-    # a * b = 1 + 2**-24 + 2**-47 (just above a tie of float32's 1 + 2**-24 step)
-    a[60:70], b[60:70], c[60:70] = f(1 + 2**-23), f(1 + 2**-24 + 2**-23), f(-(2**-23))
-    a[70:80] = rng.standard_normal(10).astype(f) * f(1e-20)  # subnormal results (flushed)
-    b[70:80] = rng.standard_normal(10).astype(f) * f(1e-20)
-    c[70:80] = rng.standard_normal(10).astype(f) * f(1e-40)
-    a[90:95], b[90:95], c[90:95] = f(1e20), f(1e20), f(1.0)  # the result overflows
-    a[95], b[95], c[95] = f(-0.0), f(1.0), f(-0.0)
-    a[96], b[96], c[96] = f(np.inf), f(2.0), f(1.0)
-    a[97], b[97], c[97] = f(np.inf), f(0.0), f(1.0)
-    a[98], b[98], c[98] = f(np.nan), f(1.0), f(1.0)
-    a[99], b[99], c[99] = f(np.inf), f(1.0), f(-np.inf)
+    info = np.finfo(dtype)
+    a = rng.standard_normal(600).astype(dtype)
+    b = rng.standard_normal(600).astype(dtype)
+    c = (-(a.astype(np.float64) * b) * (1 + 1e-7 * rng.standard_normal(600))).astype(dtype)
+    c[:60] = (-(a[:60] * b[:60])).astype(dtype)  # the rounded product cancelled
+    # a * b + c = 1 + eps/2 + eps**2, just above the tie between 1 and 1 + eps: rounding
+    # the product first (to 1 + 2 eps) puts the sum on the tie, which goes to 1
+    eps = dtype(info.eps)
+    a[60:70] = b[60:70] = 1 + eps
+    c[60:70] = -(eps + eps / 2)
+    small = dtype(np.sqrt(info.tiny)) * dtype(1e-3)  # subnormal results (flushed)
+    a[70:80] = rng.standard_normal(10).astype(dtype) * small
+    b[70:80] = rng.standard_normal(10).astype(dtype) * small
+    c[70:80] = rng.standard_normal(10).astype(dtype) * small * small
+    a[90:95] = b[90:95] = dtype(np.sqrt(info.max)) * 2  # the result overflows
+    c[90:95] = 1
+    a[95], b[95], c[95] = -0.0, 1.0, -0.0
+    a[96], b[96], c[96] = np.inf, 2.0, 1.0
+    a[97], b[97], c[97] = np.inf, 0.0, 1.0
+    a[98], b[98], c[98] = np.nan, 1.0, 1.0
+    a[99], b[99], c[99] = np.inf, 1.0, -np.inf
     return a, b, c
 
 
-@pytest.mark.parametrize("x64", [True, False], ids=["x64", "x32"])
-def test_float32_fma_is_correctly_rounded_on_hard_cases_with_and_without_x64(x64):
+@pytest.mark.parametrize(
+    "dtype, x64",
+    [(np.float64, True), (np.float32, True), (np.float32, False)],
+    ids=["f64", "f32-x64", "f32-x32"],
+)
+def test_fma_is_rounded_once_in_eager_and_jit(dtype, x64):
     from functorch_optim import _torch_ops
 
-    a, b, c = _float32_fma_cases()
+    a, b, c = _fma_cases(dtype)
     with jax.enable_x64(x64):
         outs = [
             np.asarray(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
             for fn in (_torch_ops.fma, jax.jit(_torch_ops.fma))
         ]
     for out in outs:
-        assert out.dtype == np.float32
+        assert out.dtype == dtype
         for x, y, z, o in zip(a, b, c, out):
-            _check_one_float32_fma(x, y, z, o)
+            _check_fma_rounded_once(x, y, z, o)
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @np.errstate(invalid="ignore", over="ignore")  # inf * 0 and the overflowing cases
-def _check_one_float32_fma(x, y, z, o):
-    """``o`` is ``x * y + z`` rounded once to float32 (to nearest, ties to even)."""
+def _check_fma_rounded_once(x, y, z, o):
+    """``o`` is ``x * y + z`` rounded once to its dtype (to nearest, ties to even)."""
     from fractions import Fraction
 
+    dtype = o.dtype.type
+    info = np.finfo(dtype)
     if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(z)):
-        np.testing.assert_equal(o, np.float32(np.float64(x) * np.float64(y) + np.float64(z)))
+        np.testing.assert_equal(o, dtype(np.longdouble(x) * np.longdouble(y) + np.longdouble(z)))
         return
     exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
-    top = Fraction(float(np.finfo(np.float32).max))
-    half_ulp = Fraction(2) ** (127 - 24)
-    if abs(exact) >= top + half_ulp:  # rounds to infinity
-        assert o == np.inf * np.sign(float(exact))
+    half_ulp = Fraction(2) ** (info.maxexp - 1 - info.nmant - 1)  # of the largest binade
+    if abs(exact) >= Fraction(float(info.max)) + half_ulp:  # rounds to infinity
+        assert o == (np.inf if exact > 0 else -np.inf)
     elif exact == 0:
         assert o == 0 and np.signbit(o) == (np.signbit(x * y) and np.signbit(z))
-    elif abs(exact) < Fraction(float(np.finfo(np.float32).tiny)):
-        assert o == 0  # XLA on the CPU flushes float32 subnormal results to zero, as in every op
+    elif abs(exact) < Fraction(float(info.tiny)):
+        assert o == 0  # XLA on the CPU flushes subnormal results to zero, as in every op
     else:
         err = abs(Fraction(float(o)) - exact)
-        for n in (np.nextafter(o, np.float32(np.inf)), np.nextafter(o, np.float32(-np.inf))):
+        bits = o.view(np.int64 if dtype == np.float64 else np.int32)
+        for n in (np.nextafter(o, dtype(np.inf)), np.nextafter(o, dtype(-np.inf))):
             gap = abs(Fraction(float(n)) - exact) if np.isfinite(n) else None
-            assert gap is None or err < gap or (err == gap and int(o.view(np.int32)) % 2 == 0)
+            assert gap is None or err < gap or (err == gap and int(bits) % 2 == 0)
 
 
 def test_fma_inside_jit_is_traced_once_per_shape_and_dtype_into_the_same_program(monkeypatch):
