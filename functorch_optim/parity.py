@@ -2,9 +2,10 @@
 
 ``python -m functorch_optim parity`` (or the console script ``functorch-optim parity``)
 runs each ``OptimizerSpec`` of ``functorch_optim._registry.OPTIMIZERS`` over every
-configuration of its ``grid`` (``--quick``: a few configurations that together cover
-every value of every argument) on a fixed random gradient stream, in float64 and in
-float32, next to ``torch.optim`` (``foreach=False``, the reference loop), and prints:
+configuration of its ``grid`` on a fixed random gradient stream over a matrix, a vector
+and a 0-d parameter (``--quick``: a few configurations that together cover every value
+of every argument, on the matrix alone), in float64 and in float32, next to
+``torch.optim`` (``foreach=False``, the reference loop), and prints:
 
 1. config, steps, the largest relative error of params and state over all steps in
    float64 and float32, and a verdict (``match`` within the tolerances of
@@ -33,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -72,11 +74,13 @@ __all__ = [
     "default_workers",
     "format_report",
     "optax_closest",
+    "param_shapes",
     "quick_configs",
     "run_parity",
 ]
 
-#: The parameter tree of every row: a matrix, a vector and a 0-d scalar, nested.
+#: The parameter tree of every row: a matrix, a vector and a 0-d scalar, nested
+#: (``--quick``: its first leaf; an ``OptimizerSpec`` with ``shapes`` uses its own).
 PARAM_SHAPES = {"layer": {"w": (3, 4), "b": (4,)}, "scale": ()}
 FULL_STEPS = 50
 QUICK_STEPS = 20
@@ -448,16 +452,42 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def param_shapes(spec: Any = None, quick: bool = False) -> Any:
+    """The parameter shapes of ``spec``'s rows: its ``shapes``, else ``PARAM_SHAPES``.
+
+    ``quick`` keeps only the first leaf of that (nested dict) tree: one parameter tensor
+    per row, so a quick report compiles one parameter's rule per step where the full
+    report compiles one per shape (most of a cold report is XLA compiling steps).
+
+    Examples:
+      >>> from functorch_optim.parity import param_shapes
+      >>> param_shapes(quick=True)
+      {'layer': {'w': (3, 4)}}
+    """
+    shapes = getattr(spec, "shapes", None) or PARAM_SHAPES
+    if not quick:
+        return shapes
+    first = shapes
+    keys = []
+    while not _is_shape(first):
+        keys.append(next(iter(first)))
+        first = first[keys[-1]]
+    for key in reversed(keys):
+        first = {key: first}
+    return first
+
+
 def _stream(steps: int, dtype: Any, shapes: Any = None) -> tuple[Any, list[Any]]:
     """Random initial params and ``steps`` gradient trees (seed ``SEED``) of ``shapes``."""
     rng = np.random.default_rng(SEED)
     shapes = PARAM_SHAPES if shapes is None else shapes
 
-    def is_shape(x):
-        return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
-
     def draw(_):
-        return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), shapes, is_leaf=is_shape)
+        return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), shapes, is_leaf=_is_shape)
 
     params = draw(None)
     return params, [draw(None) for _ in range(steps)]
@@ -582,8 +612,11 @@ class _BatchedSteps:
     error shows on the row that causes it.
     """
 
-    def __init__(self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int):
+    def __init__(
+        self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int, shapes: Any = None
+    ):
         self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
+        self.shapes = shapes or param_shapes(spec)
         self._runners: dict[tuple[int, str], Any] | None = None
         self._fallback: _StepCache | None = None
         #: the (configuration index, dtype name) rows of each slot, once computed
@@ -605,7 +638,7 @@ class _BatchedSteps:
         return found
 
     def _compute(self) -> dict[tuple[int, str], Any]:
-        shapes = getattr(self.spec, "shapes", None)
+        shapes = self.shapes
         out: dict[tuple[int, str], Any] = {}
         members: dict[tuple[int, str], tuple[_FoRunner, list[Any]]] = {}
         slots: dict[Any, list[tuple[int, str]]] = {}
@@ -673,8 +706,11 @@ class _OptaxSteps:
     an error shows on the row that causes it.
     """
 
-    def __init__(self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int):
+    def __init__(
+        self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int, shapes: Any = None
+    ):
         self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
+        self.shapes = shapes or param_shapes(spec)
         self._rows: dict[int, Any] | None = None
 
     def runner(self, config: Mapping[str, Any]) -> tuple[str, Any] | None:
@@ -686,7 +722,7 @@ class _OptaxSteps:
         return found
 
     def _compute(self) -> dict[int, Any]:
-        shapes = getattr(self.spec, "shapes", None)
+        shapes = self.shapes
         out: dict[int, Any] = {}
         members: dict[int, tuple[str, Any, Any, Any]] = {}
         grads: list[Any] = []
@@ -788,8 +824,8 @@ def _count_programs() -> Iterator[ProgramCount]:
             _COUNTERS.remove(counter)
 
 
-def _optimizer_row(spec, config, steps, cache, optax_steps, rtol) -> ParityRow:
-    shapes = getattr(spec, "shapes", None)
+def _optimizer_row(spec, config, steps, cache, optax_steps, rtol, shapes=None) -> ParityRow:
+    shapes = shapes or param_shapes(spec)
     closure = bool(getattr(spec, "closure", False))
     if closure:
         steps = min(steps, CLOSURE_STEPS)
@@ -1054,8 +1090,9 @@ def run_parity(
     threads; the rows come back in registry order.
 
     Args:
-      quick: run ``quick_configs`` of each grid and ``QUICK_STEPS`` steps instead of the
-        whole grid and ``FULL_STEPS`` steps, default False.
+      quick: run ``quick_configs`` of each grid, ``QUICK_STEPS`` steps and one parameter
+        (``param_shapes(spec, quick=True)``) instead of the whole grid, ``FULL_STEPS``
+        steps and the whole parameter tree, default False.
       only: restrict to these optimizers/schedulers (factory or torch names), default all.
       steps: override the number of steps.
       with_optax: also run optax's closest constructions, default True.
@@ -1072,8 +1109,12 @@ def run_parity(
         or ``jax_enable_x64`` is off.
       ImportError: if torch is not installed.
     """
-    import torch  # noqa: F401  (fail early with a clear ImportError)
-
+    if importlib.util.find_spec("torch") is None:  # fail early, with the hint's error
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+    # torch imports (~2 s, and torch._dynamo at the first optimizer built, ~2 s more) on
+    # a thread of their own while the first rows trace and compile functorch_optim's side
+    preload = threading.Thread(target=_import_torch, name="parity-torch", daemon=True)
+    preload.start()
     workers = default_workers() if workers is None else workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
@@ -1121,11 +1162,12 @@ def run_parity(
 
     def optimizer_rows(spec: Any, configs: list[dict[str, Any]]) -> list[ParityRow]:
         # an optimizer's rows run in one compiled program (closure-driven: a step each)
-        cache = _StepCache() if _is_closure(spec) else _BatchedSteps(spec, configs, steps)
-        optax_side = _OptaxSteps(spec, configs, steps) if with_optax else None
+        shapes = param_shapes(spec, quick)
+        cache = _StepCache() if _is_closure(spec) else _BatchedSteps(spec, configs, steps, shapes)
+        optax_side = _OptaxSteps(spec, configs, steps, shapes) if with_optax else None
         out = []
         for config in configs:
-            out.append(_optimizer_row(spec, config, steps, cache, optax_side, rtol))
+            out.append(_optimizer_row(spec, config, steps, cache, optax_side, rtol, shapes))
             done(spec.torch_name)
         return out
 
@@ -1150,6 +1192,7 @@ def run_parity(
                 futures = {i: pool.submit(jobs[i]) for i in order}
                 results = {i: f.result() for i, f in futures.items()}
     bar.close()
+    preload.join()
     rows = [row for i in range(len(jobs)) for row in results[i]]
     return ParityResult(
         rows,
@@ -1162,6 +1205,17 @@ def run_parity(
         compiled=programs.compiled,
         cache_loaded=programs.loaded,
     )
+
+
+def _import_torch() -> None:
+    """Import what the rows' torch side imports: torch, and the ``torch._dynamo`` that
+    ``torch.optim.Optimizer()`` imports when the first one is built. A failure is left
+    to the rows' own imports to report."""
+    try:
+        import torch._dynamo
+        import torch.optim  # noqa: F401
+    except Exception:  # reported where the rows import it
+        pass
 
 
 def _is_closure(spec: Any) -> bool:
@@ -1248,7 +1302,8 @@ def format_report(result: ParityResult, *, wide: bool = False, width: int = 100)
     v = result.versions
     rows = result.rows
     intro = (
-        f"{result.steps} steps of random gradients on params {PARAM_SHAPES} (seed {SEED}); "
+        f"{result.steps} steps of random gradients on params {param_shapes(quick=result.quick)} "
+        f"(seed {SEED}); "
         f"max relative error over all steps of params and state; configurations show the "
         f"arguments that differ from torch's defaults; tolerance "
         f"{result.rtol['float64']:g} (float64), {result.rtol['float32']:g} (float32)"
@@ -1400,7 +1455,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="compare every optimizer (and scheduler) with torch; exit 1 on any mismatch",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--quick", action="store_true", help="a few configs per optimizer, fewer steps")
+    p.add_argument(
+        "--quick", action="store_true", help="a few configs per optimizer, fewer steps, one parameter"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--wide", action="store_true", help="every row in full (lines as wide as the configs)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="only these optimizers/schedulers")

@@ -69,10 +69,15 @@ def test_quick_sgd_optax_column(quick_sgd):
 def test_report_numbers_equal_an_independent_comparison(quick_sgd):
     _, report = quick_sgd
     row = report["rows"][1]
-    params, grads = parity._stream(report["steps"], np.float64)
+    shapes = parity.param_shapes(quick=True)  # the quick rows' one parameter
+    params, grads = parity._stream(report["steps"], np.float64, shapes)
     direct = compare_with_torch("sgd", params, grads, **row["config"])
     assert row["rel_f64"] == direct.max_rel
-    params32, grads32 = parity._stream(report["steps"], np.float32)
+    assert [r.where for r in direct.records if r.step == 1] == [
+        "param ['layer']['w']",
+        "momentum_buffer ['layer']['w']",
+    ]
+    params32, grads32 = parity._stream(report["steps"], np.float32, shapes)
     assert row["rel_f32"] == compare_with_torch("sgd", params32, grads32, **row["config"]).max_rel
 
 
@@ -229,6 +234,20 @@ def test_compiled_steps_are_shared_without_changing_numbers():
     params, grads = parity._stream(5, np.float64)
     for row, c in zip(rows, configs, strict=True):
         assert row.rel_f64 == compare_with_torch("sgd", params, grads, **c).max_rel
+
+
+@pytest.mark.parametrize(
+    ("spec", "quick", "expected"),
+    [
+        (None, False, parity.PARAM_SHAPES),
+        (None, True, {"layer": {"w": (3, 4)}}),
+        ("muon", False, {"w": (3, 4), "tall": (5, 3), "square": (4, 4)}),
+        ("muon", True, {"w": (3, 4)}),
+    ],
+    ids=["full", "quick", "muon-full", "muon-quick"],
+)
+def test_param_shapes_quick_keeps_the_first_parameter(spec, quick, expected):
+    assert parity.param_shapes(None if spec is None else get_spec(spec), quick) == expected
 
 
 def test_quick_configs_cover_every_value():
