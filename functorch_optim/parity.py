@@ -463,6 +463,13 @@ def param_shapes(spec: Any = None, quick: bool = False) -> Any:
     per row, so a quick report compiles one parameter's rule per step where the full
     report compiles one per shape (most of a cold report is XLA compiling steps).
 
+    Args:
+      spec: an ``OptimizerSpec`` (its ``shapes``, if any), default None: the default tree.
+      quick: keep the first leaf only, default False.
+
+    Returns:
+      A nested dict of shape tuples, as ``PARAM_SHAPES``.
+
     Examples:
       >>> from functorch_optim.parity import param_shapes
       >>> param_shapes(quick=True)
@@ -1111,10 +1118,6 @@ def run_parity(
     """
     if importlib.util.find_spec("torch") is None:  # fail early, with the hint's error
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
-    # torch imports (~2 s, and torch._dynamo at the first optimizer built, ~2 s more) on
-    # a thread of their own while the first rows trace and compile functorch_optim's side
-    preload = threading.Thread(target=_import_torch, name="parity-torch", daemon=True)
-    preload.start()
     workers = default_workers() if workers is None else workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
@@ -1142,6 +1145,10 @@ def run_parity(
         configs = quick_configs(grid, limit=2) if quick else [dict(c) for c in grid]
         sched_work += [(spec, c) for c in configs]
 
+    # torch imports (~2 s, and torch._dynamo at the first optimizer built, ~2 s more) on
+    # a thread of their own while the first rows trace and compile functorch_optim's side
+    preload = threading.Thread(target=_import_torch, name="parity-torch", daemon=True)
+    preload.start()
     try:
         from tqdm.auto import tqdm
     except ImportError:  # the bar is a convenience: run without it
