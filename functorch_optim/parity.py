@@ -475,7 +475,8 @@ def param_shapes(spec: Any = None, quick: bool = False) -> Any:
       >>> param_shapes(quick=True)
       {'layer': {'w': (3, 4)}}
     """
-    shapes = getattr(spec, "shapes", None) or PARAM_SHAPES
+    shapes = getattr(spec, "shapes", None)
+    shapes = PARAM_SHAPES if shapes is None else shapes
     if not quick:
         return shapes
     first = shapes
@@ -623,7 +624,7 @@ class _BatchedSteps:
         self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int, shapes: Any = None
     ):
         self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
-        self.shapes = shapes or param_shapes(spec)
+        self.shapes = param_shapes(spec) if shapes is None else shapes
         self._runners: dict[tuple[int, str], Any] | None = None
         self._fallback: _StepCache | None = None
         #: the (configuration index, dtype name) rows of each slot, once computed
@@ -717,7 +718,7 @@ class _OptaxSteps:
         self, spec: OptimizerSpec, configs: Sequence[Mapping[str, Any]], steps: int, shapes: Any = None
     ):
         self.spec, self.configs, self.steps = spec, [dict(c) for c in configs], steps
-        self.shapes = shapes or param_shapes(spec)
+        self.shapes = param_shapes(spec) if shapes is None else shapes
         self._rows: dict[int, Any] | None = None
 
     def runner(self, config: Mapping[str, Any]) -> tuple[str, Any] | None:
@@ -832,7 +833,7 @@ def _count_programs() -> Iterator[ProgramCount]:
 
 
 def _optimizer_row(spec, config, steps, cache, optax_steps, rtol, shapes=None) -> ParityRow:
-    shapes = shapes or param_shapes(spec)
+    shapes = param_shapes(spec) if shapes is None else shapes
     closure = bool(getattr(spec, "closure", False))
     if closure:
         steps = min(steps, CLOSURE_STEPS)

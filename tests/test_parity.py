@@ -243,11 +243,18 @@ def test_compiled_steps_are_shared_without_changing_numbers():
         (None, True, {"layer": {"w": (3, 4)}}),
         ("muon", False, {"w": (3, 4), "tall": (5, 3), "square": (4, 4)}),
         ("muon", True, {"w": (3, 4)}),
+        ((), True, ()),  # a spec whose one parameter is a 0-d scalar keeps it
     ],
-    ids=["full", "quick", "muon-full", "muon-quick"],
+    ids=["full", "quick", "muon-full", "muon-quick", "scalar-quick"],
 )
 def test_param_shapes_quick_keeps_the_first_parameter(spec, quick, expected):
-    assert parity.param_shapes(None if spec is None else get_spec(spec), quick) == expected
+    import types
+
+    if isinstance(spec, str):
+        spec = get_spec(spec)
+    elif spec is not None:
+        spec = types.SimpleNamespace(shapes=spec)
+    assert parity.param_shapes(spec, quick) == expected
 
 
 def test_quick_configs_cover_every_value():
