@@ -246,7 +246,9 @@ def _call(
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
-    steps = [leaf[3] for leaf in leaves]
+    # a state without counters (``_base.keeps_step``): the kernel advances stand-ins
+    counted = [leaf[3] is not None for leaf in leaves]
+    steps = [jnp.zeros((), jnp.int32) if leaf[3] is None else leaf[3] for leaf in leaves]
     if window is None:
         grads = [leaf[1].astype(dtype) for leaf in leaves]
     else:
@@ -288,7 +290,7 @@ def _call(
         (
             out[i],
             {
-                "step": out[(1 + n) * count + i],
+                **({"step": out[(1 + n) * count + i]} if counted[i] else {}),
                 **{m: out[count + k * count + i] for k, m in enumerate(names)},
             },
             *([] if window is None else [out[count + len(names) * count + i]]),
@@ -462,7 +464,8 @@ class FusedWindow:
         out: list[Any] = [None] * len(leaves)
         for i, (param, _, buffers, step, active) in enumerate(leaves):
             if not param.size:
-                out[i] = (param, {"step": jnp.where(active, step + one, step), **buffers}, window.accs[i])
+                counter = {} if step is None else {"step": jnp.where(active, step + one, step)}
+                out[i] = (param, {**counter, **buffers}, window.accs[i])
         for indices in _batches(leaves):
             group = [leaves[i] for i in indices]
             at = np.asarray(indices)
@@ -492,14 +495,16 @@ def sgd_kernel(
 ) -> list:
     """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call,
     from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
-    steps = jnp.stack([leaf[3] for leaf in leaves]) + one
+    # only the momentum buffer's first step reads the counters (without a buffer the
+    # state keeps none: ``_base.keeps_step``)
+    first = jnp.stack([leaf[3] for leaf in leaves]) + one == 1 if static["has_momentum"] else False
     active = jnp.stack([leaf[4] for leaf in leaves])
     return _call(
         "fo_sgd",
         leaves,
         ["momentum_buffer"] if static["has_momentum"] else [],
         [hp["neg_lr"], hp["momentum"], hp["one_minus_dampening"], hp["weight_decay"]],
-        [active, jnp.asarray(hp["use_weight_decay"]), steps == 1, jnp.asarray(hp["use_momentum"])],
+        [active, jnp.asarray(hp["use_weight_decay"]), first, jnp.asarray(hp["use_momentum"])],
         window,
         has_momentum=static["has_momentum"],
         nesterov=static["nesterov"],

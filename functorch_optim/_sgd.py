@@ -188,13 +188,14 @@ def sgd(
         differentiate the rule (performance guide, "The fused CPU kernels").
 
     Returns:
-      An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
-      ``buffers["momentum_buffer"]`` (when momentum > 0) and ``buffers["step"]``
-      (torch keeps no ``step`` for SGD; it is how the first-gradient rule survives
-      ``jit``): with a buffer, the number of steps a parameter took with momentum != 0
+      An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState``; built
+      with momentum > 0, its buffers are ``buffers["momentum_buffer"]`` and
+      ``buffers["step"]`` (torch keeps no ``step`` for SGD; it is how the first-gradient
+      rule survives ``jit``): the number of steps a parameter took with momentum != 0
       (torch creates the buffer, seeded with the raw gradient, on the first of them, so
       ``step > 0`` is torch's "the buffer exists"; a step while ``set_hparams`` holds
-      momentum at 0 leaves it), else the number of gradients it has received.
+      momentum at 0 leaves it). Built with momentum 0 it keeps no per-parameter buffer
+      at all, as torch keeps no state: only the hyperparameters and ``count``.
 
     Raises:
       ValueError: ``Invalid learning rate: {lr}``, ``Invalid momentum value: {momentum}``,

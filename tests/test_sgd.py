@@ -134,8 +134,16 @@ def test_none_gradient_leaves_parameter_and_state_bitwise_unchanged():
 
 
 def test_momentum_zero_keeps_no_buffer():
-    state = fo.sgd(lr=0.1).init({"w": jnp.zeros(3)})
-    assert set(state.buffers) == {"step"}
+    # no momentum buffer and no step counters: nothing reads them (torch's SGD keeps no
+    # state without momentum), and each would be an array in and out of every step
+    tx = fo.sgd(lr=0.1)
+    one, three = {"w": jnp.zeros(3)}, {"w": jnp.zeros(3), "b": jnp.zeros(()), "v": jnp.ones(2)}
+    state = tx.init(three)
+    assert state.buffers == {}
+    assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(tx.init(one)))
+    new, new_state = jax.jit(functools.partial(fo.step, tx))(three, three, state)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert new["v"].tolist() == [0.9, 0.9] and int(new_state.count) == 1
     with pytest.raises(ValueError, match="built with momentum=0"):
         fo.set_hparams(state, momentum=0.9)
 

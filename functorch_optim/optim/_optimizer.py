@@ -1040,7 +1040,11 @@ class Optimizer:
             # flattened up to the params: a buffer only some parameters keep (Adafactor's
             # row_var / variance) is None for the others
             pdef = jax.tree.structure(self._params[g])
-            steps = [int(s) for s in jax.device_get(pdef.flatten_up_to(st.buffers["step"]))]
+            # a state without counters (``_base.keeps_step``: no buffer, nothing of torch's)
+            counters = st.buffers.get("step")
+            steps = [0] * pdef.num_leaves
+            if counters is not None:
+                steps = [int(s) for s in jax.device_get(pdef.flatten_up_to(counters))]
             host = {n: jax.device_get(pdef.flatten_up_to(st.buffers[n])) for n in names}
             for j, s in enumerate(steps):
                 if s == 0 and not algorithm.torch_state_at_init:
