@@ -3,7 +3,8 @@
 ``python -m functorch_optim bench`` (or ``python benchmarks/bench.py``) times, in one run
 and interleaved round-robin so that machine load hits every contender alike:
 
-* **steps**: SGD (momentum 0.9, weight decay 1e-4), Adam and Adagrad, float32, at 1M / 10M / 50M
+* **steps**: SGD (momentum 0.9, weight decay 1e-4), Adam and Adagrad, and with default
+  arguments besides ``lr`` plain SGD (``sgd_plain``) and AdamW, float32, at 1M / 10M / 50M
   parameters in 1 and 200 leaves and at 100 leaves x 1k; functorch_optim
   (``jax.jit(fo.step)``, params and state donated), optax (jit, donated), torch
   ``foreach=True`` and ``fused=True``; each row also times the in-place bandwidth
@@ -50,14 +51,22 @@ import optax
 
 import functorch_optim as fo
 
-SECTIONS = ("sgd", "adam", "adagrad", "accumulate", "compile", "train")
+SECTIONS = ("sgd", "adam", "adagrad", "sgd_plain", "adamw", "accumulate", "compile", "train")
 LR, MOMENTUM, WEIGHT_DECAY = 1e-3, 0.9, 1e-4
 ADAM_LR = 1e-3
 ADAGRAD_LR = 1e-2
 #: bytes moved per float32 parameter: read p, g, buf / write p, buf (SGD); read p, g, m, v /
 #: write p, m, v (Adam); read p, g, sum / write p, sum (Adagrad); read acc, g / write acc
-#: (micro-step); read a, b / write a (ceiling).
-BYTES_PER_PARAM = {"sgd": 20, "adam": 28, "adagrad": 20, "micro": 12, "ceiling": 12}
+#: (micro-step); read a, b / write a (ceiling); plain SGD: read p, g / write p.
+BYTES_PER_PARAM = {
+    "sgd": 20,
+    "adam": 28,
+    "adagrad": 20,
+    "sgd_plain": 12,
+    "adamw": 28,
+    "micro": 12,
+    "ceiling": 12,
+}
 FULL_CASES = (
     (1_000_000, 1),
     (1_000_000, 200),
@@ -232,6 +241,21 @@ def fo_adagrad(fused: bool | None = None) -> Any:
     return fo.adagrad(lr=ADAGRAD_LR, fused=fused)
 
 
+def fo_sgd_plain(fused: bool | None = None) -> Any:
+    # torch's SGD(params, lr): no momentum, no weight decay (every other argument default)
+    return fo.sgd(lr=LR, fused=fused)
+
+
+def fo_adamw(fused: bool | None = None) -> Any:
+    # torch's AdamW(params, lr): weight_decay 0.01, its default
+    return fo.adamw(lr=ADAM_LR, fused=fused)
+
+
+def optax_adamw() -> optax.GradientTransformation:
+    # optax's default weight decay is 1e-4; torch's (and this package's) 0.01
+    return optax.adamw(ADAM_LR, weight_decay=0.01)
+
+
 def optax_adagrad() -> optax.GradientTransformation:
     # eps inside the square root (torch: outside): the same memory traffic
     return optax.adagrad(ADAGRAD_LR, initial_accumulator_value=0.0, eps=1e-10)
@@ -243,6 +267,9 @@ STEP_KINDS: dict[str, tuple[Callable[..., Any], Callable[[], Any], str, dict[str
     "sgd": (fo_sgd, optax_sgd, "SGD", {"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY}),
     "adam": (fo_adam, lambda: optax.adam(ADAM_LR), "Adam", {"lr": ADAM_LR}),
     "adagrad": (fo_adagrad, optax_adagrad, "Adagrad", {"lr": ADAGRAD_LR}),
+    # default arguments besides lr: what a port of ``SGD(params, lr)`` / ``AdamW(params, lr)`` runs
+    "sgd_plain": (fo_sgd_plain, lambda: optax.sgd(LR), "SGD", {"lr": LR}),
+    "adamw": (fo_adamw, optax_adamw, "AdamW", {"lr": ADAM_LR}),
 }
 
 

@@ -48,7 +48,7 @@ def result(tmp_path_factory):
 
 def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
     data = result["json"]
-    for kind in ("sgd", "adam", "adagrad"):
+    for kind in ("sgd", "adam", "adagrad", "sgd_plain", "adamw"):
         rows = data[kind]
         assert [(r["params"], r["leaves"]) for r in rows] == [(20_000, 1), (20_000, 4)]
         expected = {"optax", "torch foreach", "torch fused", "ceiling jax", "ceiling torch"}
@@ -62,9 +62,9 @@ def test_step_rows_have_a_time_and_bandwidth_for_every_contender(result):
             assert all(_finite_positive(v) for v in row["gbps"].values())
             assert _finite_positive(row["ceiling_gbps"])
             assert row["ceiling_gbps"] == max(row["gbps"]["ceiling jax"], row["gbps"]["ceiling torch"])
-            # peak memory of a donated step: params + grads + state (SGD momentum, Adagrad
-            # sum: 3; Adam: 4)
-            floor = 4.0 if kind == "adam" else 3.0
+            # peak memory of a donated step: params + grads + state (plain SGD: 2; SGD
+            # momentum, Adagrad sum: 3; Adam, AdamW: 4)
+            floor = {"adam": 4.0, "adamw": 4.0, "sgd_plain": 2.0}.get(kind, 3.0)
             assert floor <= row["memory_x_params"]["optax"] < floor + 0.1
             for name in ("functorch_optim", "fo fused", "fo fused=False"):
                 assert floor <= row["memory_x_params"][name] < floor + 0.1, name
@@ -158,14 +158,14 @@ def test_targets_check_the_default_and_the_jitted_rule_against_optax_on_every_st
     found = {t["layout"]: t for t in targets(result["json"]) if t["target"].startswith("0. step / optax")}
     assert set(found) == {"tree, default", "tree, fused=False"}
     for layout, name in (("tree, default", "functorch_optim"), ("tree, fused=False", "fo fused=False")):
-        rows = [r for k in ("sgd", "adam", "adagrad") for r in result["json"][k]]
+        rows = [r for k in ("sgd", "adam", "adagrad", "sgd_plain", "adamw") for r in result["json"][k]]
         worst = max(r["times_ms"][name] / r["times_ms"]["optax"] for r in rows)
         assert found[layout]["worst"] == pytest.approx(worst)
         assert found[layout]["holds"] == (worst <= 1.0)
     assert "0. step / optax (every step row)" in result["md"]
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam", "adagrad"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adagrad", "sgd_plain", "adamw"])
 def test_the_default_contender_is_the_library_default(kind):
     """The "functorch_optim" column is what ``fo.<optimizer>(...)`` gives with only the
     bench's hyperparameters: the same program as the library's default (the kernel for a
@@ -182,7 +182,7 @@ def test_the_default_contender_is_the_library_default(kind):
     def program(tx):
         return jax.jit(_bench.fo_step_fn(tx)).lower(params, params, tx.init(params)).as_text()
 
-    default = program(getattr(fo, kind)(**kwargs))
+    default = program(getattr(fo, {"sgd_plain": "sgd"}.get(kind, kind))(**kwargs))
     assert program(make()) == default
     if _fused.load_kernels() is not None:
         assert "custom_call" in default and "custom_call" not in program(make(fused=False))
