@@ -4,7 +4,7 @@
 and interleaved round-robin so that machine load hits every contender alike:
 
 * **steps**: SGD (momentum 0.9, weight decay 1e-4), Adam and Adagrad, and with default
-  arguments besides ``lr`` plain SGD (``sgd_plain``) and AdamW, float32, at 1M / 10M / 50M
+  arguments besides ``lr`` plain SGD (``sgd_plain``), AdamW and RMSprop, float32, at 1M / 10M / 50M
   parameters in 1 and 200 leaves and at 100 leaves x 1k; functorch_optim
   (``jax.jit(fo.step)``, params and state donated), optax (jit, donated), torch
   ``foreach=True`` and ``fused=True``; each row also times the in-place bandwidth
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import math
 import os
@@ -51,19 +52,21 @@ import optax
 
 import functorch_optim as fo
 
-SECTIONS = ("sgd", "adam", "adagrad", "sgd_plain", "adamw", "accumulate", "compile", "train")
+SECTIONS = ("sgd", "adam", "adagrad", "sgd_plain", "adamw", "rmsprop", "accumulate", "compile", "train")
 LR, MOMENTUM, WEIGHT_DECAY = 1e-3, 0.9, 1e-4
 ADAM_LR = 1e-3
 ADAGRAD_LR = 1e-2
 #: bytes moved per float32 parameter: read p, g, buf / write p, buf (SGD); read p, g, m, v /
 #: write p, m, v (Adam); read p, g, sum / write p, sum (Adagrad); read acc, g / write acc
-#: (micro-step); read a, b / write a (ceiling); plain SGD: read p, g / write p.
+#: (micro-step); read a, b / write a (ceiling); plain SGD: read p, g / write p; RMSprop:
+#: read p, g, square_avg / write p, square_avg.
 BYTES_PER_PARAM = {
     "sgd": 20,
     "adam": 28,
     "adagrad": 20,
     "sgd_plain": 12,
     "adamw": 28,
+    "rmsprop": 20,
     "micro": 12,
     "ceiling": 12,
 }
@@ -256,6 +259,16 @@ def optax_adamw() -> optax.GradientTransformation:
     return optax.adamw(ADAM_LR, weight_decay=0.01)
 
 
+def fo_rmsprop() -> Any:
+    # torch's RMSprop(params): every argument default (no fused kernel, here or in torch)
+    return fo.rmsprop()
+
+
+def optax_rmsprop() -> optax.GradientTransformation:
+    # torch's defaults, eps outside the square root as torch adds it: the same update
+    return optax.rmsprop(1e-2, decay=0.99, eps=1e-8, eps_in_sqrt=False)
+
+
 def optax_adagrad() -> optax.GradientTransformation:
     # eps inside the square root (torch: outside): the same memory traffic
     return optax.adagrad(ADAGRAD_LR, initial_accumulator_value=0.0, eps=1e-10)
@@ -270,6 +283,7 @@ STEP_KINDS: dict[str, tuple[Callable[..., Any], Callable[[], Any], str, dict[str
     # default arguments besides lr: what a port of ``SGD(params, lr)`` / ``AdamW(params, lr)`` runs
     "sgd_plain": (fo_sgd_plain, lambda: optax.sgd(LR), "SGD", {"lr": LR}),
     "adamw": (fo_adamw, optax_adamw, "AdamW", {"lr": ADAM_LR}),
+    "rmsprop": (fo_rmsprop, optax_rmsprop, "RMSprop", {}),
 }
 
 
@@ -315,7 +329,10 @@ def torch_contenders(kind: str, np_leaves, np_grads, torch: TorchSide | None) ->
             p.grad = g
         flags = {"foreach": True} if flavour == "foreach" else {"fused": True}
         _, _, name, kwargs = STEP_KINDS[kind]
-        opt = getattr(torch.torch.optim, name)(params, **kwargs, **flags)
+        cls = getattr(torch.torch.optim, name)
+        if flavour == "fused" and "fused" not in inspect.signature(cls).parameters:
+            continue  # torch has no fused kernel for it (RMSprop)
+        opt = cls(params, **kwargs, **flags)
         out.append(
             Contender(f"torch {flavour}", torch.timed(opt.step), bytes_per_param=BYTES_PER_PARAM[kind])
         )
@@ -402,10 +419,14 @@ def bench_steps(
         contenders = ceiling_contenders(n_params, torch)
         make, make_optax, _, _ = STEP_KINDS[kind]
         fo_tx, opt_tx = make(), make_optax()
-        fused_tx = make(fused=True)
         # the default (fused=None: the kernel where it applies), the kernel forced, and the
-        # jitted rule forced (what runs on a GPU or TPU)
-        named = (("functorch_optim", fo_tx), ("fo fused", fused_tx), ("fo fused=False", make(fused=False)))
+        # jitted rule forced (what runs on a GPU or TPU); an optimizer without kernels
+        # (RMSprop) has the default only, and its flat layout runs the rule
+        has_kernel = "fused" in inspect.signature(make).parameters
+        fused_tx = make(fused=True) if has_kernel else fo_tx
+        named = [("functorch_optim", fo_tx)]
+        if has_kernel:
+            named += [("fo fused", fused_tx), ("fo fused=False", make(fused=False))]
         for name, tx in named:
             contenders.append(jax_contender(name, fo_step_fn(tx), tx.init, np_leaves, grads, nbytes, kind))
         contenders.append(
@@ -719,11 +740,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     t = lambda r, name: r["times_ms"].get(name)
     ratio = lambda r, a, b: (t(r, a) / t(r, b)) if t(r, a) and t(r, b) else None
     steps = [r for k in STEP_KINDS for r in result.get(k, [])]
-    for layout, name in (("tree, default", "functorch_optim"), ("tree, fused=False", "fo fused=False")):
+    # an optimizer without kernels (RMSprop) runs the jitted rule by default: that column
+    # is its fused=False too
+    rule = lambda r: "fo fused=False" if "fo fused=False" in r["times_ms"] else "functorch_optim"
+    for layout, pick in (("tree, default", lambda r: "functorch_optim"), ("tree, fused=False", rule)):
         add(
             "0. step / optax (every step row)",
             layout,
-            [(label(r), ratio(r, name, "optax")) for r in steps],
+            [(label(r), ratio(r, pick(r), "optax")) for r in steps],
             1.0,
         )
     for layout, pick in (
