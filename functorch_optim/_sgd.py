@@ -129,7 +129,9 @@ SGD_ALGORITHM = Algorithm(
     prepare=_prepare,
     advances=_advances,
     reads_step=_reads_step,
-    fixed_zero=("weight_decay",),
+    # momentum: a number 0 keeps no buffer (``has_momentum``), a nonzero one skips the
+    # momentum-0 branch; either way a param_groups edit across it rebuilds the facade's group
+    fixed_zero=("weight_decay", "momentum"),
     fixed_nonzero=("momentum",),
 )
 

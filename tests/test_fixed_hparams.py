@@ -124,7 +124,8 @@ def test_set_hparams_refuses_a_zero_momentum_where_it_is_fixed(factory):
 def test_a_nonzero_weight_decay_and_decoupled_decay_stay_changeable():
     # built nonzero: the select stays, and set_hparams may move it to 0 and back
     state = fo.sgd(lr=0.1, weight_decay=0.1).init(_tree())
-    assert FIXED not in state.hparams.static
+    # (its momentum number 0 is fixed: it keeps no buffer)
+    assert dict(state.hparams.static[FIXED]) == {"momentum": "zero"}
     fo.set_hparams(fo.set_hparams(state, weight_decay=0.0), weight_decay=0.2)
     # the decoupled factor costs no extra read: AdamW (and decoupled NAdam/RAdam) fix nothing
     for tx in (

@@ -552,6 +552,32 @@ def test_backward_adds_into_a_written_grad_and_kwargs_pass_through():
 # ---------------------------------------------------------------------------------------
 
 
+def test_momentum_set_from_zero_through_param_groups_matches_torch():
+    # torch lets param_groups turn SGD's momentum on in an optimizer built with momentum=0
+    # (the buffer is created on the first step with momentum != 0, seeded with the raw
+    # gradient); the compiled step kept no buffer, so the group is rebuilt with one.
+    # (torch's RMSprop raises a KeyError there: its buffer exists only from its first step.)
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(5)
+    grads = [rng.standard_normal(5) for _ in range(6)]
+    kwargs = {"lr": 0.1, "momentum": 0.0, "dampening": 0.5}
+    tw = torch.tensor(w0.copy(), requires_grad=True)
+    ref = torch.optim.SGD([tw], **kwargs, foreach=False)
+    opt = SGD([jnp.asarray(w0)], **kwargs)
+    for i, g in enumerate(grads):
+        if i == 3:
+            ref.param_groups[0]["momentum"] = 0.9
+            opt.param_groups[0]["momentum"] = 0.9
+        tw.grad = torch.tensor(g)
+        ref.step()
+        opt.grad = [jnp.asarray(g)]
+        opt.step()
+        assert rel_err(np.asarray(opt.params[0]), tw.detach().numpy()) < 1e-14, i
+    theirs = ref.state_dict()["state"][0]["momentum_buffer"].numpy()
+    ours = state_dict_to_torch(opt.state_dict())["state"][0]["momentum_buffer"].numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-14)
+
+
 def test_param_group_assignment_takes_effect_without_recompiling():
     # a structure no other test uses, so the first step compiles here
     params = {"w_compile_count": jnp.array([1.0, -1.0])}
