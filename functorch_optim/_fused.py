@@ -246,7 +246,9 @@ def _call(
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
-    # a state without counters (``_base.keeps_step``): the kernel advances stand-ins
+    # a state without counters (``_base.keeps_step``): the kernel advances stand-ins, in
+    # outputs of their own (not aliased: an aliased constant is copied first) that the
+    # state drops
     counted = [leaf[3] is not None for leaf in leaves]
     steps = [jnp.zeros((), jnp.int32) if leaf[3] is None else leaf[3] for leaf in leaves]
     if window is None:
@@ -271,7 +273,8 @@ def _call(
         # params -> outputs 0..L-1, then buffers and step counters (the grads sit between)
         input_output_aliases={
             **{i: i for i in range(count)},
-            **{2 * count + j: count + j for j in range(len(buffers) + count)},
+            **{2 * count + j: count + j for j in range(len(buffers))},
+            **{2 * count + len(buffers) + i: count + len(buffers) + i for i in range(count) if counted[i]},
         },
         vmap_method="sequential",
     )(
