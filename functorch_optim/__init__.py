@@ -21,7 +21,7 @@ from functorch_optim._averaging import (
     get_swa_avg_fn,
     get_swa_multi_avg_fn,
 )
-from functorch_optim._base import TorchState, apply_updates, step
+from functorch_optim._base import TorchState, apply_updates, own_counters, step
 from functorch_optim._clip import (
     ClipGradNormState,
     clip_grad_norm,
@@ -100,6 +100,7 @@ __all__ = [
     "nadam",
     "nn",
     "optim",
+    "own_counters",
     "param_groups",
     "radam",
     "ravel_by_dtype",

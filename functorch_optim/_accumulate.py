@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functorch_optim._base import STEP_ATTR, WINDOW_ATTR, _all_staged
+from functorch_optim._base import STEP_ATTR, WINDOW_ATTR, _all_staged, own_counters
 from functorch_optim._base import step as _step
 from functorch_optim._fused import Window, kernel_or_rule, window_scale
 from functorch_optim._sharding import sharded_init
@@ -306,6 +306,10 @@ def _looped(policy, call, grads, acc, carry, step, params, *, loop):
     per-parameter copies there, and XLA simplifies its arithmetic inside a conditional
     as before; a loop body can round differently in the last bit)."""
     acc = policy.accumulate(grads, acc, call)
+    if not call.all_seen:
+        # the inner step runs under a grad_mask, which gives each parameter a counter
+        # of its own: the carry starts in that layout (``own_counters``)
+        carry = own_counters(carry)
 
     def fn(c):
         return step(c, _as_param_dtype(acc, params), call)
@@ -454,7 +458,10 @@ def grad_accumulate(
             gradient_step=jnp.zeros((), jnp.int32),
             acc_grads=acc,
             has_grad=jnp.zeros((n,), bool),
-            inner_state=tx.init(params),
+            # a weighted window steps its parameters under a mask (those whose window
+            # weighs something): their counters are their own from the start, so the
+            # state keeps one structure (``own_counters``)
+            inner_state=own_counters(tx.init(params)) if weighted else tx.init(params),
             weight_sum=weight_sum,
         )
 

@@ -14,7 +14,12 @@ Semantics shared by all algorithms:
 * a ``None`` gradient leaf skips that parameter: its value and state stay bit-for-bit
   unchanged (torch's ``if p.grad is None: continue``), and its update is ``None``;
 * ``step`` counts the gradients a parameter has received, so a parameter whose first
-  gradient arrives late starts from step 1 (torch's lazy state);
+  gradient arrives late starts from step 1 (torch's lazy state). Parameters whose steps
+  are equal by construction (they have stepped together since ``init``) hold one counter
+  array, which the state flattens to once (``TorchState.step_groups``,
+  ``advance_counters``): a step over many parameters moves one counter, as optax's
+  ``count``, and their step-dependent scalars (Adam's bias corrections) are computed
+  once;
 * the optional extra argument ``grad_mask`` (a tree of boolean scalars) marks leaves as
   "no gradient" dynamically, with the same effect as a ``None`` leaf.
 """
@@ -69,11 +74,18 @@ class TorchState(NamedTuple):
       count: number of optimizer steps taken, an int32 scalar.
       buffers: torch's per-parameter state by name; each value is a tree shaped like
         the params. Also readable as attributes: ``state.momentum_buffer``.
+      step_groups: which parameters share one ``step`` counter (``None``: each has its
+        own, or the engine has not grouped them). Parameters that have received the
+        same gradients since ``init`` have equal steps; the engine gives them one
+        counter array, which ``buffers["step"]`` holds at each of their places, and the
+        state flattens to that array once (see ``share_counters``). Set by the engine
+        and by unflattening; never needed by a reader.
     """
 
     hparams: HParams
     count: jax.Array
     buffers: dict[str, PyTree]
+    step_groups: tuple[int, ...] | None = None
 
     def __getattr__(self, name: str) -> PyTree:
         if name.startswith("__"):
@@ -82,6 +94,167 @@ class TorchState(NamedTuple):
         if name in buffers:
             return buffers[name]
         raise AttributeError(f"{type(self).__name__} has no buffer {name!r}; it has {sorted(buffers)}")
+
+
+def _step_groups(positions: list, hint: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Per place of the ``step`` tree (``None`` places included: not a parameter), the
+    index of the counter it holds among the distinct ones (-1: not a parameter):
+    ``hint`` where every place still holds its counter (a tree map may have put ``None``
+    or one constant there: the places keep their counters), else grouped by identity
+    (the engine puts one array object wherever the counters are equal by construction,
+    never elsewhere)."""
+    keys = [None if x is None else _place_key(x) for x in positions]
+    if hint is not None and len(hint) == len(positions):
+        seen: dict[int, Any] = {}
+        held = all(k is None if g < 0 else seen.setdefault(g, k) == k for k, g in zip(keys, hint))
+        if held and sorted(seen) == list(range(len(seen))):
+            return hint
+    first: dict[Any, int] = {}
+    return tuple(-1 if k is None else first.setdefault(k, len(first)) for k in keys)
+
+
+def _place_key(x: Any) -> Any:
+    # a counter is its array: places that hold one array are one counter (in wrappers
+    # of one structure, so that either wrapper can stand at both places)
+    if isinstance(x, jax.Array):
+        return id(x)
+    leaves, structure = jax.tree.flatten(x)
+    return (id(leaves[0]) if leaves else None, structure)
+
+
+def _flatten_state(state: TorchState) -> tuple[list, Any]:
+    hparams, count, buffers = state[:3]
+    steps = buffers.get("step")
+    if steps is None:
+        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], None
+    positions, where = jax.tree.flatten(steps, is_leaf=_counter_place)
+    groups = _step_groups(positions, state.step_groups)
+    distinct: dict[int, Any] = {}
+    for x, g in zip(positions, groups):
+        if g >= 0:
+            distinct.setdefault(g, x)
+    if len(distinct) == sum(g >= 0 for g in groups):
+        # a counter per parameter, recorded: the leaves put back may be one object in
+        # several places (a constant that a tree map returns, an interned abstract
+        # value), which are still separate counters
+        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], _Own(groups)
+    # the distinct counters, in order of their first places
+    counters = [distinct[g] for g in range(len(distinct))]
+    return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, {**buffers, "step": counters})], _Shared(
+        groups, where
+    )
+
+
+def _counter_place(x: Any) -> bool:
+    """Whether ``x`` is one place of a ``step`` tree: ``None`` (not a parameter), an
+    array, or any other node holding one leaf (an nnx ``Variable`` around the counter in
+    ``nnx.Optimizer``'s state: it stays the child that holds it, so that the container
+    that made it can write it back)."""
+    if x is None or isinstance(x, jax.Array):
+        return True
+    return not isinstance(x, Mapping | list | tuple) and len(jax.tree.leaves(x)) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """A flattened ``TorchState``'s record of its shared counters (its pytree metadata):
+    ``buffers["step"]`` flattens to the list of distinct counters."""
+
+    groups: tuple[int, ...]
+    where: Any  # the step tree's structure, ``None`` places as leaves
+
+    def __repr__(self) -> str:
+        # shown in JAX's structure-mismatch errors (a loop carry): say what to do
+        return (
+            f"<step counters shared by parameters: {self.groups}; a step that skips some "
+            "parameters or takes a grad_mask gives them their own, fo.own_counters(state) "
+            "does so beforehand>"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Own:
+    """The pytree metadata of a ``TorchState`` whose counters are each its own."""
+
+    groups: tuple[int, ...]
+
+
+def _unflatten_state(aux: Any, children: Any) -> TorchState:
+    hparams, count, buffers = children
+    if aux is None:
+        return TorchState(hparams, count, buffers)
+    if isinstance(aux, _Own):
+        return TorchState(hparams, count, buffers, aux.groups)
+    counters = buffers["step"]
+    steps = aux.where.unflatten([None if g < 0 else counters[g] for g in aux.groups])
+    return TorchState(hparams, count, {**buffers, "step": steps}, aux.groups)
+
+
+_HPARAMS, _COUNT, _BUFFERS = (jax.tree_util.GetAttrKey(n) for n in ("hparams", "count", "buffers"))
+jax.tree_util.register_pytree_with_keys(
+    TorchState,
+    _flatten_state,
+    _unflatten_state,
+    lambda state: (lambda kids, aux: ([c for _, c in kids], aux))(*_flatten_state(state)),
+)
+
+
+def own_counters(tree: PyTree) -> PyTree:
+    """Give every parameter its own ``step`` counter in each optimizer state of ``tree``.
+
+    Parameters that have received the same gradients since ``init`` share one counter
+    array (``TorchState``): a step every parameter takes moves one scalar, not one per
+    parameter. A step where some parameters skip (a ``None`` gradient) or under a
+    ``grad_mask`` gives the parameters whose steps may now differ counters of their
+    own, so the state's tree structure changes once. ``jax.jit`` and the facade simply
+    trace again; a ``jax.lax.scan``, ``fori_loop`` or ``while_loop`` needs one structure
+    for its carry: give it ``own_counters(state)``, the layout such a step returns.
+    The values and every later step are the same bits either way.
+
+    Args:
+      tree: any pytree holding optimizer states (a ``TorchState``, a
+        ``grad_accumulate`` state, an ``optax.chain`` of them, ``(params, state)``).
+
+    Returns:
+      ``tree`` with each ``TorchState``'s counters as one array per parameter.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, functorch_optim as fo
+      >>> tx = fo.adam(lr=0.1)
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> len(jax.tree.leaves(fo.own_counters(state))) - len(jax.tree.leaves(state))  # a counter more
+      1
+      >>> def body(carry, mask):  # a grad_mask step in a scan
+      ...     params, state = carry
+      ...     grads = jax.tree.map(jnp.ones_like, params)
+      ...     return fo.step(tx, params, grads, state, grad_mask={"a": mask, "b": True}), None
+      >>> (params, state), _ = jax.lax.scan(body, (params, fo.own_counters(state)), jnp.array([True, False]))
+      >>> jax.tree.map(int, state.step)
+      {'a': 1, 'b': 2}
+    """
+
+    def own(x: Any) -> Any:
+        if not isinstance(x, TorchState) or not isinstance(_flatten_state(x)[1], _Shared):
+            return x  # nothing shared
+        steps = jax.tree.map(lambda s: jnp.array(s, copy=True), x.buffers["step"])
+        return x._replace(buffers={**x.buffers, "step": steps}, step_groups=None)
+
+    return jax.tree.map(own, tree, is_leaf=lambda x: isinstance(x, TorchState))
+
+
+def share_counters(values: list, treedef: Any) -> PyTree:
+    """A ``step`` tree of ``treedef`` (the params') from per-parameter values (Python
+    ints or arrays): one int32 array per distinct value, at every place that has it, so
+    the state keeps one counter for parameters with equal steps (``TorchState``)."""
+    arrays: dict[Any, jax.Array] = {}
+    out = []
+    for v in values:
+        key = int(v)
+        if key not in arrays:
+            arrays[key] = jnp.asarray(key, jnp.int32)
+        out.append(arrays[key])
+    return treedef.unflatten(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +310,7 @@ class Algorithm:
         (torch's buffer exists after the first of them).
       reads_step: whether ``step_leaf`` reads ``step`` (a bool, or ``static -> bool``);
         default True. Where it does not and every step advances the counters, each
-        counter advances by the constant 1, one add per parameter (a rule that reads
+        counter advances by the constant 1, one add per counter (a rule that reads
         ``step`` gets the runtime 1 of ``_runtime_one``). Only the compiled step's
         structure depends on it, never a value. Where nothing reads the counters (not
         the rule, not torch's state: ``torch_step`` None, and no buffer whose presence
@@ -268,7 +441,9 @@ def make_optimizer(
         names = _buffer_names(leaf_buffers, params)
         buffers = {}
         if keeps_step(algorithm, static, names):
-            buffers["step"] = jax.tree.map(lambda p: jnp.zeros((), jnp.int32), params)
+            # one counter for all: every parameter starts at step 0 (``TorchState``)
+            zero = jnp.zeros((), jnp.int32)
+            buffers["step"] = jax.tree.map(lambda p: zero, params)
         for name in names:
             buffers[name] = jax.tree.map(lambda _, b, n=name: b.get(n), params, leaf_buffers)
         # fresh buffers per init: a donated state must not alias another state, itself, or
@@ -297,7 +472,10 @@ def make_optimizer(
         g_leaves = treedef.flatten_up_to(grads)
         m_leaves = grad_mask_leaves(params, grad_mask) if grad_mask is not None else [None] * len(p_leaves)
         names = list(state.buffers)
-        b_leaves = [treedef.flatten_up_to(state.buffers[n]) for n in names]
+        b_leaves = [
+            _one_object_per_counter(treedef.flatten_up_to(b)) if n == "step" else treedef.flatten_up_to(b)
+            for n, b in zip(names, state.buffers.values())
+        ]
         olds = [{n: b_leaves[j][i] for j, n in enumerate(names)} for i in range(len(p_leaves))]
         leaves = [
             (p, g, {n: v for n, v in old.items() if n != "step"}, old.get("step"), m)
@@ -377,15 +555,19 @@ def make_optimizer(
         hp = fixed_guard(dict(hparams), static)
         hparams_of = prepared(hp)
         one = counter_one(state, hp)
+        rule_one = 1 if constant_counter and advances_always(hp) else one
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
         if algorithm.fused_step is not None:
             outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
         else:
-            rule_one = 1 if constant_counter and advances_always(hp) else one
             outs = [rule_step(algorithm, leaves[i], hparams_of, static, rule_one) for i in stepping]
         results = dict(zip(stepping, outs))
+        counters = advance_counters(leaves, [leaf[1] is not None for leaf in leaves], rule_one)
         # a None gradient: nothing moves
-        new = [results.get(i, (leaf[0], olds[i])) for i, leaf in enumerate(leaves)]
+        new = [
+            (results[i][0], {**results[i][1], **_counter(c)}) if i in results else (leaf[0], olds[i])
+            for i, (leaf, c) in enumerate(zip(leaves, counters))
+        ]
         hparams, count = advance(state, hparams)
         return rebuild(treedef, list(state.buffers), [p for p, _ in new], [b for _, b in new], hparams, count)
 
@@ -399,10 +581,17 @@ def make_optimizer(
         hparams = current(state)
         hp = fixed_guard(dict(hparams), static)
         window = window._replace(accs=treedef.flatten_up_to(window.accs))
-        outs = algorithm.fused_window(leaves, window, prepared(hp), static, counter_one(state, hp))
+        one = counter_one(state, hp)
+        outs = algorithm.fused_window(leaves, window, prepared(hp), static, one)
+        counters = advance_counters(leaves, [True] * len(leaves), one)
         hparams, count = advance(state, hparams, window.stepping)
         new_params, new_state = rebuild(
-            treedef, list(state.buffers), [p for p, _, _ in outs], [b for _, b, _ in outs], hparams, count
+            treedef,
+            list(state.buffers),
+            [p for p, _, _ in outs],
+            [{**b, **_counter(c)} for (_, b, _), c in zip(outs, counters)],
+            hparams,
+            count,
         )
         return new_params, treedef.unflatten([a for _, _, a in outs]), new_state
 
@@ -428,8 +617,10 @@ def rule_step(
     algorithm: Algorithm, leaf: tuple, hparams_of: Callable[[Any], Mapping[str, Any]], static, one: jax.Array
 ) -> tuple[jax.Array, dict[str, Any]]:
     """One parameter's step by ``algorithm.step_leaf``: ``leaf`` is ``(param, grad,
-    buffers, step, grad_mask flag or None)`` as ``fused_step`` gets it; the counter
-    advances by ``one``, and the mask keeps everything (counter included) where it is off.
+    buffers, step, grad_mask flag or None)`` as ``fused_step`` gets it. The rule reads
+    ``step + one``; the mask keeps the parameter and its buffers where it is off. Returns
+    ``(new_param, new_buffers)`` without the counter, which the engine advances
+    (``advance_counters``).
 
     Inside ``jit`` the rule is traced once per parameter shape and dtype, not once per
     parameter: it is called as a nested ``jax.jit`` (``_staged_rule``), which a step over
@@ -454,12 +645,49 @@ def rule_step(
 
 def _rule(algorithm: Algorithm, static, const, flags, param, grad, buffers, step, hp, one, active):
     hp = {**hp, **dict(flags)}
-    if step is None:  # a state without counters (``keeps_step``)
-        new_param, new = algorithm.step_leaf(param, grad, buffers, None, hp, static)
-        return masked(active, new_param, new, param, buffers)
-    new_step = step + (const if one is None else one)
+    # the rule reads the advanced counter; the engine stores it (``advance_counters``)
+    new_step = None if step is None else step + (const if one is None else one)
     new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
-    return masked(active, new_param, {"step": new_step, **new}, param, {"step": step, **buffers})
+    return masked(active, new_param, new, param, buffers)
+
+
+def advance_counters(leaves: list, stepping: list[bool], one: Any) -> list:
+    """Each leaf's ``step`` counter after this step (``leaves`` as ``rule_step`` gets
+    them): ``step + one`` where ``stepping`` and its mask flag (``None``: no mask) is on,
+    its old counter where not, ``None`` for a state without counters.
+
+    One array per distinct (counter, flag) pair: parameters that shared a counter and step
+    alike share the new one, so a step every parameter takes keeps one counter, which the
+    state flattens to once (``TorchState``): one scalar in and out of a jitted step and
+    one add, where a counter per parameter was an array in and out (about a microsecond
+    each on the CPU) and scalar kernels per parameter (Adam's bias corrections). A
+    parameter that skips (a ``None`` gradient) keeps its counter object; one under a
+    ``grad_mask`` gets its own.
+    """
+    memo: dict[tuple[int, int], Any] = {}
+    out = []
+    for (_, _, _, step, active), steps in zip(leaves, stepping):
+        if step is None or not steps:
+            out.append(step)
+            continue
+        key = (id(step), id(active))
+        if key not in memo:
+            new = step + one
+            memo[key] = new if active is None else jnp.where(active, new, step)
+        out.append(memo[key])
+    return out
+
+
+def _one_object_per_counter(steps: list) -> list:
+    """The per-parameter counters with one object for each shared one. A container may
+    hand each place a wrapper of its own around the shared array (an nnx ``Variable``
+    in ``nnx.Optimizer``'s state): counters are the same where their arrays are."""
+    first: dict[tuple[int, ...], Any] = {}
+    return [s if s is None else first.setdefault(tuple(map(id, jax.tree.leaves(s))), s) for s in steps]
+
+
+def _counter(step: Any) -> dict[str, Any]:
+    return {} if step is None else {"step": step}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

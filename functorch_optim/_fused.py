@@ -238,7 +238,7 @@ def _call(
     window: Window | None = None,
     **attrs: bool,
 ) -> list[tuple[jax.Array, ...]]:
-    """One kernel call for ``leaves`` (one dtype); it also advances their step counters.
+    """One kernel call for ``leaves`` (one dtype).
     ``scalars`` / ``flags``: per-parameter values, each a scalar (the same for all) or a
     vector over the leaves. Per leaf ``(param, buffers)``, with a ``window`` ``(param,
     buffers, accumulator)``."""
@@ -246,11 +246,10 @@ def _call(
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
-    # a state without counters (``_base.keeps_step``): the kernel advances stand-ins, in
-    # outputs of their own (not aliased: an aliased constant is copied first) that the
-    # state drops
-    counted = [leaf[3] is not None for leaf in leaves]
-    steps = [jnp.zeros((), jnp.int32) if leaf[3] is None else leaf[3] for leaf in leaves]
+    # the engine advances the counters (``_base.advance_counters``: parameters that step
+    # alike share one); the kernel advances stand-ins, in outputs of their own (not
+    # aliased: an aliased constant is copied first) that the state drops
+    steps = [jnp.zeros((), jnp.int32) for _ in leaves]
     if window is None:
         grads = [leaf[1].astype(dtype) for leaf in leaves]
     else:
@@ -270,11 +269,11 @@ def _call(
     out = jax.ffi.ffi_call(
         target,
         [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs],
-        # params -> outputs 0..L-1, then buffers and step counters (the grads sit between)
+        # params -> outputs 0..L-1, then buffers (the grads sit between); the stand-in
+        # counters' outputs are the kernel's own
         input_output_aliases={
             **{i: i for i in range(count)},
             **{2 * count + j: count + j for j in range(len(buffers))},
-            **{2 * count + len(buffers) + i: count + len(buffers) + i for i in range(count) if counted[i]},
         },
         vmap_method="sequential",
     )(
@@ -288,14 +287,10 @@ def _call(
         window=window is not None,
         **attrs,
     )
-    n = len(names) + (window is not None)
     return [
         (
             out[i],
-            {
-                **({"step": out[(1 + n) * count + i]} if counted[i] else {}),
-                **{m: out[count + k * count + i] for k, m in enumerate(names)},
-            },
+            {m: out[count + k * count + i] for k, m in enumerate(names)},
             *([] if window is None else [out[count + len(names) * count + i]]),
         )
         for i in range(count)
@@ -462,13 +457,12 @@ class FusedWindow:
     def __call__(
         self, leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
     ) -> list[tuple[jax.Array, dict[str, jax.Array], jax.Array]]:
-        # every non-empty parameter is a kernel leaf (``ready``); an empty one
-        # has nothing to update but its step counter
+        # every non-empty parameter is a kernel leaf (``ready``); an empty one has
+        # nothing to update (the engine advances every counter)
         out: list[Any] = [None] * len(leaves)
-        for i, (param, _, buffers, step, active) in enumerate(leaves):
+        for i, (param, _, buffers, _, _) in enumerate(leaves):
             if not param.size:
-                counter = {} if step is None else {"step": jnp.where(active, step + one, step)}
-                out[i] = (param, {**counter, **buffers}, window.accs[i])
+                out[i] = (param, buffers, window.accs[i])
         for indices in _batches(leaves):
             group = [leaves[i] for i in indices]
             at = np.asarray(indices)

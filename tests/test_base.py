@@ -242,8 +242,9 @@ def test_counters_of_a_rule_that_reads_no_step_are_one_add():
     fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s), donate_argnums=(0, 2), keep_unused=True)
     compiled = fn.lower(params, params, tx.init(params)).compile()
     counters = [line for line in entry_text(compiled).splitlines() if "s32[] fusion(%s_buffers__step" in line]
-    assert len(counters) == 4
-    for line in counters:  # fusion(the leaf's counter, the constant 1): nothing else
+    # the four parameters step alike: one shared counter, one add (``advance_counters``)
+    assert len(counters) == 1
+    for line in counters:  # fusion(the counter, the constant 1): nothing else
         operands = line.split("fusion(", 1)[1].split(")", 1)[0].split(", ")
         assert len(operands) == 2 and operands[1].startswith("%constant"), line
     assert _entry_ops(compiled).get("copy", 0) == 0
@@ -279,3 +280,80 @@ def test_algorithm_prepare_runs_once_per_dtype_and_feeds_step_leaf():
     assert sorted(map(str, seen)) == ["float32", "float64"]
     assert jax.tree.map(lambda x: x.tolist(), new) == {"a": [0.5, 0.5], "b": [0.5] * 3, "c": 1.0, "d": [0.5]}
     assert jax.tree.map(int, state.step) == {"a": 1, "b": 1, "c": 0, "d": 1}
+
+
+def test_parameters_that_step_alike_share_one_counter():
+    # a step every parameter takes moves one counter, not one per parameter: the state's
+    # leaves (a jitted step's inputs and outputs) grow by the moments alone
+    tx = fo.adam(lr=0.1)
+
+    def leaves(n):
+        params = {f"p{i:02d}": jnp.ones(3) for i in range(n)}
+        state = tx.init(params)
+        state = jax.jit(fo.step, static_argnums=0)(tx, params, params, state)[1]
+        return len(jax.tree.leaves(state)), state
+
+    (few, _), (many, state) = leaves(3), leaves(13)
+    assert many - few == 2 * 10  # exp_avg and exp_avg_sq
+    assert jax.tree.map(int, state.step) == {f"p{i:02d}": 1 for i in range(13)}
+    # the state flattens to the list of distinct counters (orbax saves that)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert [p for p in paths if "step" in p] == [".buffers['step'][0]"]
+
+
+def test_a_parameter_that_skips_splits_the_counters_once():
+    tx = fo.adam(lr=0.1)
+    params = {"a": jnp.ones(3), "b": jnp.ones(2), "c": jnp.ones(4)}
+    grads = {"a": jnp.ones(3), "b": None, "c": jnp.ones(4)}
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    state = tx.init(params)
+    for _ in range(5):
+        params, state = step(params, grads, state)
+    # the first step splits one counter into two (another structure: one more program),
+    # every later one reuses the second program
+    assert step._cache_size() == 2
+    assert jax.tree.map(int, state.step) == {"a": 5, "b": 0, "c": 5}
+    assert len(jax.tree.leaves(state.buffers["step"])) == 3
+    assert len(jax.tree.leaves(jax.tree.map(jnp.asarray, state))) == len(jax.tree.leaves(state))
+    shared = [x for x in jax.tree.leaves(state.buffers["step"]) if int(x) == 5]
+    assert shared[0] is shared[1]
+
+
+def test_a_tree_map_keeps_the_counters_layout():
+    # what jit's in/out shardings, eval_shape and orbax's targets do: map every leaf of
+    # a state, often to one object (a replicated sharding) for all counters
+    tx = fo.sgd(lr=0.1, momentum=0.9)
+    params = {"a": jnp.ones(3), "b": jnp.ones(2), "c": jnp.ones(4)}
+    state = jax.jit(fo.step, static_argnums=0)(tx, params, {**params, "b": None}, tx.init(params))[1]
+    same = jax.tree.map(lambda _: "x", state)
+    assert jax.tree.structure(same) == jax.tree.structure(state)
+    assert jax.tree.structure(jax.eval_shape(lambda s: s, state)) == jax.tree.structure(state)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    out = jax.jit(lambda s: s, in_shardings=(jax.tree.map(lambda _: sharding, state),))(state)
+    assert jax.tree.map(int, out.step) == {"a": 1, "b": 0, "c": 1}
+    # counters of their own stay their own, also where the map returns one object for all
+    own = fo.own_counters(state)
+    assert len(jax.tree.leaves(own)) == len(jax.tree.leaves(state)) + 1
+    assert jax.tree.structure(jax.tree.map(lambda _: "x", own)) == jax.tree.structure(own)
+    assert jax.tree.structure(jax.eval_shape(lambda s: s, own)) == jax.tree.structure(own)
+
+
+def test_counters_shared_in_a_loop_carry_need_own_counters_under_a_mask():
+    tx = fo.adam(lr=0.1)
+    params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+
+    def body(carry, m):
+        p, s = carry
+        return fo.step(tx, p, jax.tree.map(jnp.ones_like, p), s, grad_mask={"a": m, "b": True}), None
+
+    masks = jnp.array([True, False, True])
+    with pytest.raises(TypeError, match=r"fo\.own_counters\(state\)"):
+        jax.lax.scan(body, (params, tx.init(params)), masks)
+    (p, s), _ = jax.lax.scan(body, (params, fo.own_counters(tx.init(params))), masks)
+    assert jax.tree.map(int, s.step) == {"a": 2, "b": 3}
+    # the same bits as the steps one by one
+    q, t = params, tx.init(params)
+    for m in masks:
+        (q, t), _ = body((q, t), m)
+    for a, b in zip(jax.tree.leaves((p, s.buffers)), jax.tree.leaves((q, t.buffers)), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

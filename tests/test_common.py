@@ -95,6 +95,35 @@ def test_none_gradient_skips_parameter_and_state(spec):
     assert rel_err(leaves(new)[1:], leaves(params)[1:]) > 0.0
 
 
+def test_shared_counters_step_as_counters_of_their_own(spec):
+    # parameters that step alike share one ``step`` counter (``TorchState``): the same
+    # bits as a counter per parameter (``own_counters``), through skips (a None gradient:
+    # the counters split once, then the program is reused) and a grad_mask
+    tx = spec.factory(**_config(spec))
+    params, grads = _problem(spec)
+    name = jax.tree.leaves(jax.tree_util.tree_map_with_path(lambda p, _: p, params))[-1]
+    skipping = [jax.tree_util.tree_map_with_path(lambda p, g: None if p == name else g, g) for g in grads]
+    mask = jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(p != name), params)
+    step = jax.jit(fo.step, static_argnums=0)
+    runs = []
+    for start in (tx.init(params), fo.own_counters(tx.init(params))):
+        p, state = params, start
+        p, state = step(tx, p, grads[0], state)
+        for g in skipping[1:4]:
+            p, state = step(tx, p, g, state)
+        p, state = step(tx, p, grads[4], state, grad_mask=mask)
+        runs.append((p, state))
+    (p_shared, shared), (p_own, own) = runs
+    assert jax.tree.map(int, shared.buffers.get("step")) == jax.tree.map(int, own.buffers.get("step"))
+    for a, b in zip(
+        jax.tree.leaves((p_shared, shared.buffers)), jax.tree.leaves((p_own, own.buffers)), strict=True
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    if "step" in shared.buffers and len(jax.tree.leaves(params)) > 1:
+        fresh = tx.init(params)  # one counter for all, where each had its own
+        assert len(jax.tree.leaves(fresh)) < len(jax.tree.leaves(fo.own_counters(fresh)))
+
+
 def test_bf16_params_keep_dtype(spec):
     tx = spec.factory(**_config(spec))
     params, grads = _problem(spec, jnp.bfloat16)
@@ -166,7 +195,8 @@ def test_grad_mask_leaf_must_be_a_boolean_scalar(spec, accumulate):
     p_mask, s_mask = fo.step(tx, params, grads[0], state, grad_mask=ok)
     p_plain, s_plain = fo.step(tx, params, grads[0], state)
     assert rel_err(p_mask, p_plain) == 0.0
-    assert jax.tree.map(jnp.shape, s_mask) == jax.tree.map(jnp.shape, s_plain)
+    # a step under a mask gives each parameter a counter of its own (``fo.own_counters``)
+    assert jax.tree.map(jnp.shape, s_mask) == jax.tree.map(jnp.shape, fo.own_counters(s_plain))
 
 
 def test_grad_mask_missing_key_names_the_path(spec):

@@ -132,11 +132,11 @@ def test_compiled_step_is_one_in_place_kernel_call(tx):
     assert unaliased_paths(compiled, (params, params, state), (0, 2)) == []
     # no parameter-sized temporary: scalars only
     assert compiled.memory_analysis().temp_size_in_bytes < 4096
-    # and no counter copied per parameter (plain SGD's state has none: the kernel's
-    # stand-ins are outputs of their own, where aliasing them copied a constant for
-    # each parameter); at most the optimizer's one count
+    # and no counter copied per parameter (the kernel's stand-ins are outputs of their
+    # own, where aliasing them copied a constant for each parameter); at most the
+    # optimizer's count and the one step counter the parameters share
     assert len(params) > 2
-    assert len(re.findall(r"= s32\[\]\S* copy\(", entry_text(compiled))) <= 1
+    assert len(re.findall(r"= s32\[\]\S* copy\(", entry_text(compiled))) <= 2
 
 
 @pytest.mark.parametrize(

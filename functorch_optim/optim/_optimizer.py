@@ -21,7 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functorch_optim._base import ALGORITHM_ATTR, Algorithm, TorchState, changeable_hparams, schedule_key
+from functorch_optim._base import (
+    ALGORITHM_ATTR,
+    Algorithm,
+    TorchState,
+    changeable_hparams,
+    own_counters,
+    schedule_key,
+    share_counters,
+)
 from functorch_optim._base import step as functional_step
 from functorch_optim._groups import path_name, select_groups
 from functorch_optim._hyperparams import fixed_conflicts, set_hparams, to_python
@@ -856,6 +864,10 @@ class Optimizer:
 
     def _check_same_tree(self, value: PyTree, what: str, reference: PyTree | None = None) -> None:
         ref = self.params if reference is None else reference
+        # whether parameters share their step counters is a layout, not a structure:
+        # a state saved after steps that some parameters skipped restores into a fresh
+        # optimizer (the next step is traced for it)
+        value, ref = own_counters(value), own_counters(ref)
         if jax.tree.structure(value) != jax.tree.structure(ref):
             raise ValueError(
                 f"{what} does not match the optimizer's structure.\n"
@@ -1217,7 +1229,8 @@ class Optimizer:
                 bufs[name][j] = jnp.asarray(value, dtype=ref.dtype)
             if algorithm.torch_step is None:
                 steps[j] = 1  # all SGD's rule reads: stepped before
-        buffers = {"step": pdef.unflatten([jnp.asarray(s, jnp.int32) for s in steps])}
+        # parameters with equal steps share one counter, as in a state the engine stepped
+        buffers = {"step": share_counters(steps, pdef)}
         for n in kept:
             buffers[n] = pdef.unflatten(bufs[n])
         count = jnp.asarray(max(steps, default=0), jnp.int32)
