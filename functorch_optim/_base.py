@@ -74,18 +74,18 @@ class TorchState(NamedTuple):
       count: number of optimizer steps taken, an int32 scalar.
       buffers: torch's per-parameter state by name; each value is a tree shaped like
         the params. Also readable as attributes: ``state.momentum_buffer``.
-      step_groups: which parameters share one ``step`` counter (``None``: each has its
-        own, or the engine has not grouped them). Parameters that have received the
-        same gradients since ``init`` have equal steps; the engine gives them one
-        counter array, which ``buffers["step"]`` holds at each of their places, and the
-        state flattens to that array once (see ``share_counters``). Set by the engine
-        and by unflattening; never needed by a reader.
+      step_groups: which parameters share one ``step`` counter, recorded when the
+        state is unflattened (``None``: read from the arrays' identity). Parameters
+        that have received the same gradients since ``init`` have equal steps; the
+        engine gives them one counter array, which ``buffers["step"]`` holds at each of
+        their places, and the state flattens to that array once (``advance_counters``,
+        ``own_counters``). Never needed by a reader.
     """
 
     hparams: HParams
     count: jax.Array
     buffers: dict[str, PyTree]
-    step_groups: tuple[int, ...] | None = None
+    step_groups: Any = None
 
     def __getattr__(self, name: str) -> PyTree:
         if name.startswith("__"):
@@ -96,53 +96,62 @@ class TorchState(NamedTuple):
         raise AttributeError(f"{type(self).__name__} has no buffer {name!r}; it has {sorted(buffers)}")
 
 
-def _step_groups(positions: list, hint: tuple[int, ...] | None) -> tuple[int, ...]:
-    """Per place of the ``step`` tree (``None`` places included: not a parameter), the
-    index of the counter it holds among the distinct ones (-1: not a parameter):
-    ``hint`` where every place still holds its counter (a tree map may have put ``None``
-    or one constant there: the places keep their counters), else grouped by identity
-    (the engine puts one array object wherever the counters are equal by construction,
-    never elsewhere)."""
-    keys = [None if x is None else _place_key(x) for x in positions]
-    if hint is not None and len(hint) == len(positions):
-        seen: dict[int, Any] = {}
-        held = all(k is None if g < 0 else seen.setdefault(g, k) == k for k, g in zip(keys, hint))
-        if held and sorted(seen) == list(range(len(seen))):
-            return hint
+@dataclasses.dataclass(frozen=True)
+class _Counters:
+    """How a ``TorchState``'s ``step`` tree holds its counters (its ``step_groups``, and
+    its pytree metadata): per place of the tree (``where``, its structure with ``None``
+    places as leaves: not a parameter), the index of the counter it holds among the
+    distinct ones (-1 at a ``None``). ``shared``: some places hold one counter, and
+    ``buffers["step"]`` flattens to the list of distinct counters; else to itself."""
+
+    groups: tuple[int, ...]
+    where: Any
+    shared: bool
+
+    def __repr__(self) -> str:
+        if not self.shared:
+            return "<a step counter per parameter>"
+        # shown in JAX's structure-mismatch errors (a loop carry): say what to do
+        return (
+            f"<step counters shared by parameters: {self.groups}; a step that skips some "
+            "parameters or takes a grad_mask gives them their own, fo.own_counters(state) "
+            "does so beforehand>"
+        )
+
+
+def _held(record: Any, steps: PyTree) -> list | None:
+    """The places of ``steps`` if ``record`` (a state's ``step_groups``) still describes
+    them: every place holds its counter's object (a tree map may have put ``None`` or one
+    constant at several places: they keep their counters). ``None`` otherwise."""
+    if not isinstance(record, _Counters):
+        return None
+    try:
+        positions = record.where.flatten_up_to(steps)
+    except (ValueError, TypeError):
+        return None
+    seen: dict[int, Any] = {}
+    if all(x is None if g < 0 else seen.setdefault(g, x) is x for x, g in zip(positions, record.groups)):
+        return positions
+    return None
+
+
+def _record(steps: PyTree) -> tuple[_Counters, list]:
+    """The counters of a ``step`` tree the engine or a user built: places that hold one
+    array are one counter (the engine puts one array object wherever the counters are
+    equal by construction, never elsewhere)."""
+    positions, where = jax.tree.flatten(steps, is_leaf=_counter_place)
     first: dict[Any, int] = {}
-    return tuple(-1 if k is None else first.setdefault(k, len(first)) for k in keys)
+    groups = tuple(-1 if x is None else first.setdefault(_place_key(x), len(first)) for x in positions)
+    return _Counters(groups, where, len(first) < sum(g >= 0 for g in groups)), positions
 
 
 def _place_key(x: Any) -> Any:
-    # a counter is its array: places that hold one array are one counter (in wrappers
-    # of one structure, so that either wrapper can stand at both places)
+    # a counter is its array (in wrappers of one structure, so that either wrapper can
+    # stand at both places)
     if isinstance(x, jax.Array):
         return id(x)
     leaves, structure = jax.tree.flatten(x)
     return (id(leaves[0]) if leaves else None, structure)
-
-
-def _flatten_state(state: TorchState) -> tuple[list, Any]:
-    hparams, count, buffers = state[:3]
-    steps = buffers.get("step")
-    if steps is None:
-        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], None
-    positions, where = jax.tree.flatten(steps, is_leaf=_counter_place)
-    groups = _step_groups(positions, state.step_groups)
-    distinct: dict[int, Any] = {}
-    for x, g in zip(positions, groups):
-        if g >= 0:
-            distinct.setdefault(g, x)
-    if len(distinct) == sum(g >= 0 for g in groups):
-        # a counter per parameter, recorded: the leaves put back may be one object in
-        # several places (a constant that a tree map returns, an interned abstract
-        # value), which are still separate counters
-        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], _Own(groups)
-    # the distinct counters, in order of their first places
-    counters = [distinct[g] for g in range(len(distinct))]
-    return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, {**buffers, "step": counters})], _Shared(
-        groups, where
-    )
 
 
 def _counter_place(x: Any) -> bool:
@@ -155,39 +164,32 @@ def _counter_place(x: Any) -> bool:
     return not isinstance(x, Mapping | list | tuple) and len(jax.tree.leaves(x)) == 1
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shared:
-    """A flattened ``TorchState``'s record of its shared counters (its pytree metadata):
-    ``buffers["step"]`` flattens to the list of distinct counters."""
-
-    groups: tuple[int, ...]
-    where: Any  # the step tree's structure, ``None`` places as leaves
-
-    def __repr__(self) -> str:
-        # shown in JAX's structure-mismatch errors (a loop carry): say what to do
-        return (
-            f"<step counters shared by parameters: {self.groups}; a step that skips some "
-            "parameters or takes a grad_mask gives them their own, fo.own_counters(state) "
-            "does so beforehand>"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Own:
-    """The pytree metadata of a ``TorchState`` whose counters are each its own."""
-
-    groups: tuple[int, ...]
+def _flatten_state(state: TorchState) -> tuple[list, Any]:
+    hparams, count, buffers = state[:3]
+    steps = buffers.get("step")
+    if steps is None:
+        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], None
+    record = state.step_groups
+    positions = _held(record, steps)
+    if positions is None:
+        record, positions = _record(steps)
+    if not record.shared:
+        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], record
+    distinct: dict[int, Any] = {}
+    for x, g in zip(positions, record.groups):
+        if g >= 0:
+            distinct.setdefault(g, x)
+    counters = [distinct[g] for g in range(len(distinct))]
+    return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, {**buffers, "step": counters})], record
 
 
-def _unflatten_state(aux: Any, children: Any) -> TorchState:
+def _unflatten_state(record: Any, children: Any) -> TorchState:
     hparams, count, buffers = children
-    if aux is None:
-        return TorchState(hparams, count, buffers)
-    if isinstance(aux, _Own):
-        return TorchState(hparams, count, buffers, aux.groups)
+    if record is None or not record.shared:
+        return TorchState(hparams, count, buffers, record)
     counters = buffers["step"]
-    steps = aux.where.unflatten([None if g < 0 else counters[g] for g in aux.groups])
-    return TorchState(hparams, count, {**buffers, "step": steps}, aux.groups)
+    steps = record.where.unflatten([None if g < 0 else counters[g] for g in record.groups])
+    return TorchState(hparams, count, {**buffers, "step": steps}, record)
 
 
 _HPARAMS, _COUNT, _BUFFERS = (jax.tree_util.GetAttrKey(n) for n in ("hparams", "count", "buffers"))
@@ -235,10 +237,10 @@ def own_counters(tree: PyTree) -> PyTree:
     """
 
     def own(x: Any) -> Any:
-        if not isinstance(x, TorchState) or not isinstance(_flatten_state(x)[1], _Shared):
+        if not isinstance(x, TorchState) or not getattr(_flatten_state(x)[1], "shared", False):
             return x  # nothing shared
         steps = jax.tree.map(lambda s: jnp.array(s, copy=True), x.buffers["step"])
-        return x._replace(buffers={**x.buffers, "step": steps}, step_groups=None)
+        return x._replace(buffers={**x.buffers, "step": steps}, step_groups=_record(steps)[0])
 
     return jax.tree.map(own, tree, is_leaf=lambda x: isinstance(x, TorchState))
 
