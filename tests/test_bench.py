@@ -195,3 +195,25 @@ def test_the_default_contender_is_the_library_default(kind):
         assert "custom_call" not in default
     elif _fused.load_kernels() is not None:
         assert "custom_call" in default and "custom_call" not in program(make(fused=False))
+
+
+def test_round_robin_times_every_contender_after_changing_neighbours():
+    # a contender always timed right after the same one (torch's, whose threads still
+    # spin) would carry that neighbour's cost in every rep
+    from functorch_optim._bench import Contender, time_round_robin
+
+    calls = []
+    contenders = [Contender(name, lambda name=name: calls.append(name)) for name in "abcde"]
+    timings = time_round_robin(contenders, reps=12, warmup=0, settle=1)
+    assert sorted(timings) == list("abcde")
+    assert all(_finite_positive(t["median_s"]) for t in timings.values())
+    # each rep: every contender twice in a row (settle, then timed), in some order
+    reps = [calls[i : i + 10] for i in range(0, len(calls), 10)]
+    assert len(reps) == 12 and all(r[0::2] == r[1::2] and sorted(r[0::2]) == list("abcde") for r in reps)
+    orders = [tuple(r[0::2]) for r in reps]
+    predecessors = {c: {o[o.index(c) - 1] for o in orders if o.index(c) > 0} for c in "abcde"}
+    assert all(len(p) >= 2 for p in predecessors.values())
+    # the same orders in every run
+    calls.clear()
+    time_round_robin(contenders, reps=12, warmup=0, settle=1)
+    assert [tuple(calls[i : i + 10][0::2]) for i in range(0, len(calls), 10)] == orders
