@@ -217,3 +217,22 @@ def test_round_robin_times_every_contender_after_changing_neighbours():
     calls.clear()
     time_round_robin(contenders, reps=12, warmup=0, settle=1)
     assert [tuple(calls[i : i + 10][0::2]) for i in range(0, len(calls), 10)] == orders
+
+
+def test_torch_compile_is_timed_with_a_fresh_inductor_cache(monkeypatch):
+    # a cache left by an earlier run would make torch.compile's "compile time" a cache hit
+    import os
+
+    from functorch_optim._bench_train import cold_inductor_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_earlier_run")
+    with cold_inductor_cache() as first:
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == first
+        assert os.path.isdir(first) and not os.listdir(first)
+    with cold_inductor_cache() as second:
+        assert second != first and not os.listdir(second)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/torchinductor_earlier_run"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with cold_inductor_cache():
+        pass
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
