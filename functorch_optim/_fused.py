@@ -1,4 +1,5 @@
-"""``fused=True``: one-pass CPU kernels for SGD, Adam, AdamW and Adagrad through XLA's FFI.
+"""``fused=True``: one-pass CPU kernels for SGD, Adam, AdamW, Adagrad (and RMSprop, whose
+default path its kernel is: torch has no fused RMSprop) through XLA's FFI.
 
 XLA's CPU backend cannot fuse a step that writes two arrays into one loop, so a jitted
 SGD step reads its inputs twice and Adam's more often (``ANCHORS.md``: ~65 % of the
@@ -40,12 +41,12 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from functorch_optim._base import Algorithm, rule_step
-from functorch_optim._hyperparams import in_use
+from functorch_optim._hyperparams import fixed, in_use
 from functorch_optim._torch_ops import caster, lr_over, step_as_float
 
 _HERE = Path(__file__).resolve().parent
 _LIBRARY = "_fused_kernels"  # the build's library: _fused_kernels<extension suffix>, beside this module
-_TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam", "fo_adagrad": "FoAdagrad"}
+_TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam", "fo_adagrad": "FoAdagrad", "fo_rmsprop": "FoRmsprop"}
 _CHECKSUM = ".sha256"  # beside the library: the SHA-256 of its bytes, written by its build
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Parameters per kernel call: XLA's compile time grows faster than linearly in the
@@ -297,18 +298,25 @@ def _call(
     ]
 
 
-def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False) -> Algorithm:
+def fused_algorithm(
+    algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False, small_leaves: bool = False
+) -> Algorithm:
     """``algorithm`` with ``kernel`` as its ``fused_step``. With ``fused=True`` it loads
     the kernel library now, so that a missing one is reported (one warning) at
     construction; the default loads it when a step is first traced (so that building an
     optimizer, e.g. at import, never warns); without it the fused step runs the jitted
     rule. ``auto`` (``fused=None``): not where several CPU
-    devices could shard the step either (``_kernels_apply``). (torch's "floating point
-    params only" check for ``fused`` is every optimizer's here.)"""
+    devices could shard the step either (``_kernels_apply``), and only for parameters of
+    at least ``AUTO_MIN_SIZE`` elements, unless ``small_leaves`` (RMSprop, whose rule
+    emulates its exact FMAs: the kernel is as fast on small parameters and compiles in
+    less time). (torch's "floating point params only" check for ``fused`` is every
+    optimizer's here.)"""
     if not auto:  # the default loads the library when a step is first traced
         load_kernels()
     return dataclasses.replace(
-        algorithm, fused_step=FusedStep(kernel, algorithm, auto), fused_window=FusedWindow(kernel, auto)
+        algorithm,
+        fused_step=FusedStep(kernel, algorithm, auto, small_leaves),
+        fused_window=FusedWindow(kernel, auto, small_leaves),
     )
 
 
@@ -381,8 +389,8 @@ def auto_kernel_leaf(param: jax.Array) -> bool:
     return kernel_leaf(param) and param.size >= AUTO_MIN_SIZE
 
 
-def _takes_kernel(auto: bool) -> Callable[[jax.Array], bool]:
-    return auto_kernel_leaf if auto else kernel_leaf
+def _takes_kernel(auto: bool, small_leaves: bool) -> Callable[[jax.Array], bool]:
+    return auto_kernel_leaf if auto and not small_leaves else kernel_leaf
 
 
 def _batches(leaves: list[Leaf], takes: Callable[[jax.Array], bool] = kernel_leaf) -> list[list[int]]:
@@ -408,6 +416,7 @@ class FusedStep:
     kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]
     algorithm: Algorithm
     auto: bool = False  # fused=None: see _kernels_apply
+    small_leaves: bool = False  # fused=None takes parameters under AUTO_MIN_SIZE too
 
     def __call__(
         self, leaves: list[Leaf], hparams_of, static, one: jax.Array
@@ -416,7 +425,7 @@ class FusedStep:
         # load_kernels registers the targets (also in a process that unpickled this step);
         # without the library every parameter takes the rule
         loaded = _kernels_apply(self.auto)
-        takes = _takes_kernel(self.auto)
+        takes = _takes_kernel(self.auto, self.small_leaves)
         out: list[Any] = [None] * len(leaves)
         for i, leaf in enumerate(leaves):
             if not (loaded and takes(leaf[0])):
@@ -445,13 +454,15 @@ class FusedWindow:
 
     kernel: Callable[..., list]
     auto: bool = False  # fused=None: see _kernels_apply
+    small_leaves: bool = False  # as FusedStep's
 
     def ready(self, params: list[jax.Array]) -> bool:
         """Whether this can take a call over ``params``: the kernels apply and every
-        non-empty parameter takes the kernel (``kernel_leaf``; for the default,
-        ``auto_kernel_leaf``: one call covers every parameter, so a tree with a small one
-        runs the jitted path); otherwise grad_accumulate runs the jitted path."""
-        takes = _takes_kernel(self.auto)
+        non-empty parameter takes the kernel (``kernel_leaf``; for the default, unless
+        ``small_leaves``, ``auto_kernel_leaf``: one call covers every parameter, so a tree
+        with a small one runs the jitted path); otherwise grad_accumulate runs the jitted
+        path."""
+        takes = _takes_kernel(self.auto, self.small_leaves)
         return _kernels_apply(self.auto) and all(takes(p) or not p.size for p in params)
 
     def __call__(
@@ -574,5 +585,50 @@ def adagrad_kernel(
         [-clr, wd, hp["eps"]],
         [jnp.stack([leaf[4] for leaf in leaves]), jnp.asarray(in_use(static, hp, "weight_decay"))],
         window,
+        maximize=static["maximize"],
+    )
+
+
+def rmsprop_kernel(
+    leaves: list[Leaf],
+    hp: Mapping[str, Any],
+    static: Mapping[str, Any],
+    one: jax.Array,
+    window: Window | None = None,
+) -> list:
+    """RMSprop's rule (``_rmsprop._step_leaf``) for every parameter of one dtype, with the
+    rule's scalars cast as the rule casts them: ``1 - alpha`` in the hyperparameters' dtype
+    then the parameter's, and the lerp's ``1 - weight`` in the parameter's."""
+    c = caster(leaves[0][0].dtype)
+    one_minus_alpha = c(1 - hp["alpha"])
+    has_momentum, centered = static["has_momentum"], static["centered"]
+    if not has_momentum:
+        use_momentum = False
+    elif fixed(static, "momentum") == "nonzero":
+        use_momentum = True
+    else:
+        use_momentum = hp["momentum"] > 0
+    return _call(
+        "fo_rmsprop",
+        leaves,
+        ["square_avg"] + (["momentum_buffer"] if has_momentum else []) + (["grad_avg"] if centered else []),
+        [
+            hp["alpha"],
+            one_minus_alpha,
+            1 - one_minus_alpha,
+            hp["eps"],
+            -hp["lr"],
+            hp["weight_decay"],
+            hp["momentum"],
+        ],
+        [
+            jnp.stack([leaf[4] for leaf in leaves]),
+            jnp.asarray(in_use(static, hp, "weight_decay")),
+            jnp.asarray(use_momentum),
+            jnp.abs(one_minus_alpha) < 0.5,
+        ],
+        window,
+        has_momentum=has_momentum,
+        centered=centered,
         maximize=static["maximize"],
     )

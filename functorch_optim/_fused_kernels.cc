@@ -1,4 +1,5 @@
-// One-pass CPU kernels for ``fused=True`` (SGD, Adam, AdamW, Adagrad), called through XLA's FFI.
+// One-pass CPU kernels for ``fused=True`` (SGD, Adam, AdamW, Adagrad) and RMSprop's default
+// path, called through XLA's FFI.
 //
 // XLA's CPU backend has no multi-output fusion: a jitted SGD step is two loops over memory
 // (buffer, then parameter) and Adam more, so each input is read more than once. These
@@ -6,7 +7,7 @@
 // the inputs), split over XLA's intra-op thread pool.
 //
 // Numerics: each element goes through exactly the operations of the jitted rule
-// (functorch_optim/_sgd.py, _adam.py, _adagrad.py) in the same order and dtype. XLA's CPU code
+// (functorch_optim/_sgd.py, _adam.py, _adagrad.py, _rmsprop.py) in the same order and dtype. XLA's CPU code
 // generator contracts a multiply feeding an add into one fused multiply-add, so the same
 // places use ``std::fma`` here; the file is compiled with ``-ffp-contract=off`` so that no
 // other contraction happens. Scalars (learning rate, bias corrections, flags) are
@@ -30,6 +31,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -229,6 +231,63 @@ FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
     const T ns = std::fma(gi, gi, sum[i]);
     sum[i] = ns;
     p[i] = pi + (neg_clr * gi) / (std::sqrt(ns) + eps);
+  }
+}
+
+// ``_torch_ops.fma(a, b, c)``: the correctly rounded ``a * b + c`` where the rule's
+// emulation is exact, else, as it does, the plain expression ``a * b + c``, rounded twice
+// (XLA does not contract it: the product has other uses). Plain where it or the product
+// is not finite, or where the product is at most 2^-78 (float32; float64: 2^-916) in
+// magnitude: below that, the emulation's partial products may be subnormal, which XLA
+// flushes to zero.
+template <typename T>
+inline T RuleFma(T a, T b, T c) {
+  const T p = a * b;
+  const T plain = p + c;
+  constexpr T kU = std::numeric_limits<T>::epsilon() / 2;
+  constexpr T kTiny = std::numeric_limits<T>::min() / (kU * kU);
+  const bool usable = std::isfinite(plain) && std::isfinite(p) && std::abs(p) > kTiny;
+  return usable ? std::fma(a, b, c) : plain;
+}
+
+// ------------------------------------------------------------------------------ RMSprop
+// scalars: [alpha, 1 - alpha, 1 - (1 - alpha), eps, -lr, weight_decay, momentum]
+// flags:   [active, weight_decay != 0, momentum > 0, |1 - alpha| < 0.5]
+// The rule's exact ``fma`` (``_torch_ops.fma``, emulated in JAX) is ``RuleFma``.
+template <typename T>
+struct RmspropScalars {
+  T alpha, oma, omoma, eps, neg_lr, wd, mom, sign;
+};
+
+template <typename T, bool kWd, bool kCentered, bool kMom, bool kWindow, bool kHasG, bool kMean, bool kSmall>
+FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sq,
+                 T* __restrict mb, T* __restrict ga, T* __restrict acc, const RmspropScalars<T> c,
+                 const WindowScalars<T>& w) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const T pi = p[i];
+    T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, w) * c.sign;
+    if (kWd) gi = RuleFma(pi, c.wd, gi);
+    // square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+    const T ns = RuleFma(c.oma * gi, gi, sq[i] * c.alpha);
+    sq[i] = ns;
+    T second = ns;
+    if (kCentered) {
+      // grad_avg.lerp_(grad, 1 - alpha); square_avg.addcmul(grad_avg, grad_avg, value=-1)
+      const T a = ga[i];
+      const T diff = gi - a;
+      const T na = kSmall ? RuleFma(c.oma, diff, a) : RuleFma(-diff, c.omoma, gi);
+      ga[i] = na;
+      second = RuleFma(-na, na, ns);
+    }
+    const T denom = std::sqrt(second) + c.eps;
+    if (kMom) {
+      // buf.mul_(momentum).addcdiv_(grad, avg): XLA contracts the product into the add
+      const T nb = std::fma(mb[i], c.mom, gi / denom);
+      mb[i] = nb;
+      p[i] = RuleFma(nb, c.neg_lr, pi);
+    } else {
+      p[i] = pi + (c.neg_lr * gi) / denom;
+    }
   }
 }
 
@@ -432,6 +491,27 @@ void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
   ForEachItem(pool, x, step);
 }
 
+// buffers: square_avg, then momentum_buffer (``has_momentum``), then grad_avg (``centered``)
+template <typename T>
+void RmspropStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool has_momentum, bool centered, bool maximize) {
+  auto step = [&](int64_t i, int64_t lo, int64_t hi) {
+    const T* s = x.scalar_row(i);
+    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, momentum > 0, |1 - alpha| < 0.5
+    const RmspropScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], maximize ? T(-1) : T(1)};
+    T* mb = has_momentum ? x.buf(1, i) : nullptr;
+    T* ga = centered ? x.buf(has_momentum ? 2 : 1, i) : nullptr;
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
+      WithFlags(
+          [&](auto kWd, auto kCentered, auto kMom, auto kSmall) {
+            RmspropLoop<T, kWd, kCentered, kMom, kWindow, kHasG, kMean, kSmall>(
+                lo, hi, x.param[i], x.grad[i], x.buf(0, i), mb, ga, x.acc(i), c, w);
+          },
+          bool(f[1]), centered, has_momentum && f[2], centered && f[3]);
+    });
+  };
+  ForEachItem(pool, x, step);
+}
+
 // Runs step(leaves) with T the operands' C++ type.
 template <typename Step>
 ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
@@ -469,6 +549,12 @@ ffi::Error AdagradImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
                   [&](const auto& leaves) { AdagradStep(pool, leaves, maximize); });
 }
 
+ffi::Error RmspropImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
+                       bool window, bool has_momentum, bool centered, bool maximize) {
+  return Dispatch("fused RMSprop", args, rets, count, 1 + (has_momentum ? 1 : 0) + (centered ? 1 : 0), 7, 4,
+                  window, [&](const auto& leaves) { RmspropStep(pool, leaves, has_momentum, centered, maximize); });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FoSgd, SgdImpl,
@@ -500,4 +586,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdagrad, AdagradImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
                                   .Attr<bool>("window")
+                                  .Attr<bool>("maximize"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FoRmsprop, RmspropImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("count")
+                                  .Attr<bool>("window")
+                                  .Attr<bool>("has_momentum")
+                                  .Attr<bool>("centered")
                                   .Attr<bool>("maximize"));

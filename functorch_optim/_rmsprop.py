@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ import optax
 
 from functorch_optim._base import Algorithm, changeable, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay
+from functorch_optim._fused import fused_algorithm, rmsprop_kernel
 from functorch_optim._hyperparams import fixed, to_python
 from functorch_optim._torch_ops import fma, lerp_fma, op_casts, signed_grad
 
@@ -184,6 +186,12 @@ def rmsprop(
       maximize: maximize the objective instead of minimizing, default False (static).
       differentiable: accepted for torch compatibility; every step is differentiable.
 
+    On the CPU the float32/float64 parameters are updated by a one-pass C++ kernel, with
+    one CPU device (as the default ``fused=None`` of ``sgd``, ``adam``, ``adamw`` and
+    ``adagrad``, here at every parameter size), bit-identical to the jitted rule that runs
+    everywhere else; torch has no fused RMSprop, so there is no ``fused`` argument
+    (performance guide, "The fused CPU kernels").
+
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
       ``buffers["square_avg"]``, ``buffers["momentum_buffer"]`` (when momentum > 0),
@@ -219,6 +227,25 @@ def rmsprop(
       Mirrors ``torch.optim.RMSprop`` (``_single_tensor_rmsprop``).
     """
     del capturable, foreach, differentiable
+    return _build(lr, alpha, eps, weight_decay, momentum, centered, maximize, fused=None)
+
+
+def rmsprop_variant(fused: bool | None, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+    """``rmsprop(**kwargs)`` with the kernel choice that torch's ``fused`` flag makes for
+    SGD, Adam, AdamW and Adagrad: ``None`` is ``rmsprop(**kwargs)`` (the kernel where it
+    applies), ``True`` the kernel for every float32/float64 parameter (with several CPU
+    devices too), ``False`` the jitted rule everywhere (what a GPU or TPU runs). RMSprop
+    has no ``fused`` argument, in torch or here: this is for tests and the benchmark. The
+    numbers are the same, bit for bit."""
+    bound = inspect.signature(rmsprop).bind(**kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    return _build(
+        a["lr"], a["alpha"], a["eps"], a["weight_decay"], a["momentum"], a["centered"], a["maximize"], fused
+    )
+
+
+def _build(lr, alpha, eps, weight_decay, momentum, centered, maximize, fused):
     hparams = {
         "lr": lr,
         "alpha": alpha,
@@ -231,4 +258,10 @@ def rmsprop(
         changeable() or callable(momentum) or isinstance(momentum, jax.Array) or to_python(momentum) > 0
     )
     static = {"centered": bool(centered), "maximize": bool(maximize), "has_momentum": has_momentum}
-    return make_optimizer(RMSPROP_ALGORITHM, hparams, static)
+    # the one-pass CPU kernel where it applies (as the default fused=None of SGD, Adam,
+    # AdamW and Adagrad), for small parameters too (the rule's emulated FMAs cost more
+    # than a kernel call), and the jitted rule elsewhere
+    algorithm = RMSPROP_ALGORITHM
+    if fused is not False:
+        algorithm = fused_algorithm(RMSPROP_ALGORITHM, rmsprop_kernel, auto=fused is None, small_leaves=True)
+    return make_optimizer(algorithm, hparams, static)

@@ -94,7 +94,8 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     pair (Dekker's product of split halves), then ``product + c`` summed with rounding
     to odd for the low part and to nearest at the end (Boldo and Melquiond, "Emulation
     of FMA and correctly rounded sums: proved algorithms using rounding to odd", 2008).
-    Where ``a * b + c`` is not finite (or underflows) it is the plain expression.
+    Where ``a * b + c`` is not finite, or ``a * b`` is below 2**-78 (float32; float64:
+    2**-916) in magnitude, it is the plain expression, rounded twice.
     """
     a, b, c = jnp.broadcast_arrays(*(jnp.asarray(x) for x in (a, b, c)))
     if all(isinstance(x, _STAGED) for x in (a, b, c)):
@@ -114,7 +115,12 @@ def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     th, tl = _two_sum(c, p)
     v, w = _two_sum(tl, e)
     exact = th + _round_to_odd(v, w)
-    tiny = jnp.finfo(a.dtype).tiny / jnp.finfo(a.dtype).eps
+    # exact where every partial product and error term is a normal number (XLA flushes
+    # subnormal results to zero): each is a multiple of ulp(a) * ulp(b) >= u**2 * |a * b|
+    # (u the unit roundoff), so |a * b| > tiny / u**2 (2**-78 in float32, 2**-916 in
+    # float64) suffices; below it the plain expression (the fused kernels do the same)
+    info = jnp.finfo(a.dtype)
+    tiny = info.tiny / (info.eps / 2) ** 2
     usable = jnp.isfinite(plain) & jnp.isfinite(p) & (jnp.abs(p) > tiny)
     return jnp.where(usable, exact, plain)
 

@@ -36,6 +36,15 @@ def zero_ness(config: Any) -> dict[str, float]:
     return out
 
 
+def rmsprop(fused: bool | None = None, **kwargs: Any) -> Any:
+    """``functorch_optim.rmsprop(**kwargs)`` with the choice torch's ``fused`` flag makes for
+    SGD, Adam, AdamW and Adagrad (``_rmsprop.rmsprop_variant``): RMSprop has no such
+    argument, its kernel is its default path."""
+    from functorch_optim._rmsprop import rmsprop_variant
+
+    return rmsprop_variant(fused, **kwargs)
+
+
 def make_tree(shape_tree: Any, rng: np.random.Generator, dtype: Any = np.float64) -> Any:
     """A pytree of random numpy arrays following ``shape_tree`` (tuples of ints are shapes)."""
 

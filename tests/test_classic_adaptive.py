@@ -499,7 +499,8 @@ def test_rmsprop_centered_under_cancellation_rounds_like_torch(dtype, alpha, mom
 def _fma_cases(dtype):
     """(a, b, c) of ``dtype`` where one rounding differs from two: near-cancellations,
     exact cancellations of the rounded product, near-ties, subnormal and overflowing
-    results, signed zeros, infinities and NaNs."""
+    results, products too small for the emulation (below tiny / u**2), signed zeros,
+    infinities and NaNs."""
     rng = np.random.default_rng(1)
     info = np.finfo(dtype)
     a = rng.standard_normal(600).astype(dtype)
@@ -515,6 +516,14 @@ def _fma_cases(dtype):
     a[70:80] = rng.standard_normal(10).astype(dtype) * small
     b[70:80] = rng.standard_normal(10).astype(dtype) * small
     c[70:80] = rng.standard_normal(10).astype(dtype) * small * small
+    # normal products below tiny / u**2 (u the unit roundoff), nearly cancelled by c: the
+    # plain expression, rounded twice (the emulation's partial products would be subnormal)
+    scale = dtype(np.sqrt(_fma_floor(dtype))) / 8
+    a[80:90] = rng.standard_normal(10).astype(dtype) * scale
+    b[80:90] = rng.standard_normal(10).astype(dtype) * scale
+    c[80:90] = (-(a[80:90].astype(np.float64) * b[80:90]) * (1 + 1e-3 * rng.standard_normal(10))).astype(
+        dtype
+    )
     a[90:95] = b[90:95] = dtype(np.sqrt(info.max)) * 2  # the result overflows
     c[90:95] = 1
     a[95], b[95], c[95] = -0.0, 1.0, -0.0
@@ -542,17 +551,31 @@ def test_fma_is_rounded_once_in_eager_and_jit(dtype, x64):
     for out in outs:
         assert out.dtype == dtype
         for x, y, z, o in zip(a, b, c, out):
-            _check_fma_rounded_once(x, y, z, o)
+            _check_fma(x, y, z, o)
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def _fma_floor(dtype):
+    """``tiny / u**2``: at or below it (in magnitude) ``_torch_ops.fma`` is the plain
+    ``a * b + c`` (2**-78 in float32, 2**-916 in float64)."""
+    info = np.finfo(dtype)
+    return info.tiny / (info.eps / 2) ** 2
+
+
 @np.errstate(invalid="ignore", over="ignore")  # inf * 0 and the overflowing cases
-def _check_fma_rounded_once(x, y, z, o):
-    """``o`` is ``x * y + z`` rounded once to its dtype (to nearest, ties to even)."""
+def _check_fma(x, y, z, o):
+    """``o`` is ``x * y + z`` rounded once to its dtype (to nearest, ties to even), or,
+    where the rounded product is finite and at most ``_fma_floor`` in magnitude, the
+    product rounded and then the sum."""
     from fractions import Fraction
 
     dtype = o.dtype.type
     info = np.finfo(dtype)
+    product = x * y
+    if np.isfinite(product) and abs(product) <= _fma_floor(dtype) and np.isfinite(z):
+        plain = product + z
+        assert o == (plain if abs(plain) >= info.tiny else 0)
+        return
     if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(z)):
         np.testing.assert_equal(o, dtype(np.longdouble(x) * np.longdouble(y) + np.longdouble(z)))
         return

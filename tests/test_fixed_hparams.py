@@ -28,7 +28,7 @@ import functorch_optim as fo
 from functorch_optim._base import changeable_hparams
 from functorch_optim._hyperparams import FIXED
 from functorch_optim.optim import SGD, Adam, RMSprop
-from tests.helpers import entry_text
+from tests.helpers import entry_text, rmsprop
 
 #: every factory whose coupled weight decay is fixed at 0 when built so, with the
 #: keywords that make it take that branch
@@ -38,8 +38,8 @@ L2_FACTORIES = {
     "adam": (fo.adam, {"lr": 0.1}),
     "adam_amsgrad": (fo.adam, {"lr": 0.1, "amsgrad": True}),
     "adagrad": (fo.adagrad, {"lr": 0.1}),
-    "rmsprop": (fo.rmsprop, {"lr": 0.01}),
-    "rmsprop_momentum_centered": (fo.rmsprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    "rmsprop": (rmsprop, {"lr": 0.01}),
+    "rmsprop_momentum_centered": (rmsprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
     "adamax": (fo.adamax, {"lr": 0.1}),
     "nadam": (fo.nadam, {"lr": 0.1}),
     "radam": (fo.radam, {"lr": 0.1}),
@@ -47,6 +47,8 @@ L2_FACTORIES = {
     "adadelta": (fo.adadelta, {"lr": 0.5}),
 }
 IDS = list(L2_FACTORIES)
+#: the entries with a fused CPU kernel (a ``fused`` argument; RMSprop's: ``helpers.rmsprop``)
+KERNELS = ("sgd", "adam", "adagrad", "rmsprop", "rmsprop_momentum_centered")
 
 
 def _tree(dtype=jnp.float32):
@@ -93,7 +95,7 @@ def test_fixed_zero_weight_decay_computes_the_same_bits(name, dtype):
 
 
 @pytest.mark.parametrize("fused", [False, True, None], ids=["rule", "kernel", "auto"])
-@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
+@pytest.mark.parametrize("name", KERNELS)
 def test_fused_kernels_match_the_fixed_rule(name, fused):
     factory, kwargs = L2_FACTORIES[name]
     rule = _run(factory(**kwargs, fused=False))
@@ -154,12 +156,8 @@ def test_only_the_parameter_pass_reads_the_param(name):
     (the one that writes it); the select made every moment pass read it too."""
     factory, kwargs = L2_FACTORIES[name]
     with changeable_hparams():
-        before = _param_readers(
-            factory(**kwargs, **({"fused": False} if name in ("sgd", "adam", "adagrad") else {}))
-        )
-    after = _param_readers(
-        factory(**kwargs, **({"fused": False} if name in ("sgd", "adam", "adagrad") else {}))
-    )
+        before = _param_readers(factory(**kwargs, **({"fused": False} if name in KERNELS else {})))
+    after = _param_readers(factory(**kwargs, **({"fused": False} if name in KERNELS else {})))
     assert len(after) == 1, after
     assert len(before) > 1, before
 
@@ -189,8 +187,8 @@ def _restored(state, **values):
 @pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "rmsprop", "nadam"])
 def test_a_restored_nonzero_weight_decay_steps_to_nan(name, fused):
     factory, kwargs = L2_FACTORIES[name]
-    kwargs = {**kwargs, **({"fused": fused} if name in ("sgd", "adam", "adagrad") else {})}
-    if fused and name not in ("sgd", "adam", "adagrad"):
+    kwargs = {**kwargs, **({"fused": fused} if name in KERNELS else {})}
+    if fused and name not in KERNELS:
         pytest.skip("no kernel")
     tx = factory(**kwargs)
     state = _restored(tx.init(_tree()), weight_decay=0.1)

@@ -17,7 +17,7 @@ import pytest
 import functorch_optim as fo
 from functorch_optim import _fused
 from functorch_optim._jit import unaliased_paths
-from tests.helpers import entry_text
+from tests.helpers import entry_text, rmsprop
 
 SHAPES = {"w": (37, 129), "b": (4099,), "s": (), "none": (5,), "empty": (0,)}
 
@@ -38,11 +38,29 @@ ADAGRAD = [
         (0.1, 1e-2), (0, 0.05), (0, 1e-2), (1e-10, 1e-3), (False, True), (0, 0.1)
     )
 ][::7]
+RMSPROP = [
+    dict(lr=lr, alpha=al, eps=e, weight_decay=w, momentum=m, centered=ce, maximize=mx)
+    for lr, al, e, w, m, ce, mx in itertools.product(
+        (1e-2, 0.3), (0.99, 0.3), (1e-8, 1e-3), (0, 1e-2), (0, 0.9), (False, True), (False, True)
+    )
+][::9]
+
+
 CASES = (
     [(f"sgd-{i}", fo.sgd, c) for i, c in enumerate(SGD)]
     + [(f"adam-{i}", fo.adam, c) for i, c in enumerate(ADAM)]
     + [(f"adamw-{i}", fo.adamw, c) for i, c in enumerate(ADAM)]
     + [(f"adagrad-{i}", fo.adagrad, c) for i, c in enumerate(ADAGRAD)]
+    + [(f"rmsprop-{i}", rmsprop, c) for i, c in enumerate(RMSPROP)]
+    # a momentum and a weight decay given as arrays: whether each term applies is data
+    + [
+        (
+            "rmsprop-data",
+            rmsprop,
+            dict(lr=0.1, momentum=jnp.asarray(m), weight_decay=jnp.asarray(0.1), centered=c),
+        )
+        for m, c in ((0.0, True), (0.9, False))
+    ]
 )
 
 
@@ -118,8 +136,9 @@ def test_fused_under_grad_accumulate_equals_unfused():
         fo.sgd(lr=0.1, fused=True),
         fo.adam(lr=0.1, amsgrad=True, fused=True),
         fo.adagrad(lr=0.1, lr_decay=0.01, weight_decay=1e-2, fused=True),
+        rmsprop(lr=0.1, momentum=0.9, centered=True, weight_decay=1e-2, fused=True),
     ],
-    ids=["sgd", "sgd-plain", "adam-amsgrad", "adagrad"],
+    ids=["sgd", "sgd-plain", "adam-amsgrad", "adagrad", "rmsprop"],
 )
 def test_compiled_step_is_one_in_place_kernel_call(tx):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
@@ -145,8 +164,9 @@ def test_compiled_step_is_one_in_place_kernel_call(tx):
         lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
         lambda: fo.adam(lr=0.1, fused=True),
         lambda: fo.adagrad(lr=0.1, lr_decay=0.01, fused=True),
+        lambda: rmsprop(lr=0.1, momentum=0.9, fused=True),
     ],
-    ids=["sgd", "adam", "adagrad"],
+    ids=["sgd", "adam", "adagrad", "rmsprop"],
 )
 def test_kernels_besides_the_call_do_not_grow_with_the_parameters(make):
     # the call advances the step counters itself: the scalar work around it (bias
@@ -237,6 +257,11 @@ WINDOW_CASES = [
     *CASES[::3],
     ("sgd-scheduled", fo.sgd, dict(lr=fo.schedules.exponential_lr(0.1, gamma=0.9), momentum=0.9)),
     ("adam-scheduled", fo.adam, dict(lr=fo.schedules.step_lr(0.1, step_size=2), betas=(0.9, 0.99))),
+    (
+        "rmsprop-scheduled",
+        rmsprop,
+        dict(lr=fo.schedules.step_lr(0.1, step_size=2), momentum=0.5, centered=True),
+    ),
 ]
 
 
@@ -282,8 +307,9 @@ def test_window_calls_are_bit_identical_to_the_jitted_path(name, factory, config
         lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=True),
         lambda: fo.adam(lr=0.1, amsgrad=True, fused=True),
         lambda: fo.adagrad(lr=0.1, weight_decay=1e-2, fused=True),
+        lambda: rmsprop(lr=0.1, momentum=0.9, centered=True, fused=True),
     ],
-    ids=["sgd", "adam-amsgrad", "adagrad"],
+    ids=["sgd", "adam-amsgrad", "adagrad", "rmsprop"],
 )
 def test_a_window_call_is_one_in_place_kernel_call(make):
     # no loop, no conditional: the call that adds the gradient in and the call that closes
@@ -440,6 +466,7 @@ DEFAULTS = [
     ("adam", fo.adam, dict(lr=0.1, amsgrad=True)),
     ("adamw", fo.adamw, dict(lr=0.1)),
     ("adagrad", fo.adagrad, dict(lr=0.1, lr_decay=0.01)),
+    ("rmsprop", rmsprop, dict(lr=0.1, momentum=0.9, centered=True, weight_decay=1e-2)),
 ]
 
 
@@ -479,14 +506,18 @@ def test_the_default_takes_the_kernel_for_large_parameters_and_the_rule_for_smal
     }
     assert [k for k, v in params.items() if _fused.auto_kernel_leaf(v)] == ["big", "at"]
     assert [k for k, v in params.items() if _fused.kernel_leaf(v)] == ["big", "at", "under", "bias"]
-    for factory in (fo.sgd, fo.adamw, fo.adagrad):
-        kw = {"momentum": 0.9} if factory is fo.sgd else {}
-        # the parameters' outputs of the kernel call: exactly the two large float32 ones
-        # (and their buffers, of the same shapes)
+    large = {f"f32[3,{n}]{{1,0}}", f"f32[{n}]{{0}}"}
+    every = {*large, f"f32[{n - 1}]{{0}}", "f32[7]{0}"}
+    # RMSprop's default takes the kernel for small parameters too (its rule emulates
+    # exact FMAs: slower than the kernel at every size)
+    for factory, default in ((fo.sgd, large), (fo.adamw, large), (fo.adagrad, large), (rmsprop, every)):
+        kw = {"momentum": 0.9} if factory in (fo.sgd, rmsprop) else {}
+        # the parameters' outputs of the kernel call (and their buffers, of the same
+        # shapes): the default's, then every float32 one
         shapes = set(_kernel_operands(factory(lr=0.1, **kw), params))
-        assert shapes == {f"f32[3,{n}]{{1,0}}", f"f32[{n}]{{0}}"}, shapes
+        assert shapes == default, shapes
         shapes = set(_kernel_operands(factory(lr=0.1, fused=True, **kw), params))
-        assert shapes == {f"f32[3,{n}]{{1,0}}", f"f32[{n}]{{0}}", f"f32[{n - 1}]{{0}}", "f32[7]{0}"}, shapes
+        assert shapes == every, shapes
         assert _kernel_operands(factory(lr=0.1, fused=False, **kw), params) == []
         # the mixed step equals the rule bit for bit
         grads = {k: jnp.cos(v * 3).astype(v.dtype) for k, v in params.items()}
