@@ -626,3 +626,30 @@ def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differenti
         assert float(a[0]) == float(b[0])
         np.testing.assert_allclose(float(a[1]), float(b[1]), rtol=1e-15, atol=0)
         assert abs(float(a[1])) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_rmsprop_kernel_equals_the_rule_from_underflow_to_overflow(dtype):
+    # the rule's exact fma falls back to the plain expression where its partial products
+    # could be subnormal (_torch_ops.fma); the kernel must do the same at the same
+    # magnitudes: gradients and params over every binade, both signs, and the overflows
+    lo, hi = (-45, 38) if dtype == jnp.float32 else (-320, 300)
+    n = 4099
+    with np.errstate(over="ignore"):
+        values = np.concatenate([np.logspace(lo, hi, n // 2), -np.logspace(lo, hi, n - n // 2)]).astype(dtype)
+        grads = [{"b": jnp.asarray(values * (k + 1))} for k in range(3)]
+    params = {"b": jnp.asarray(values[::-1].copy())}
+    for config in (
+        dict(),
+        dict(momentum=0.9, centered=True, weight_decay=0.1),
+        dict(alpha=0.3, centered=True),
+    ):
+        out = []
+        for tx in (rmsprop(**config), rmsprop(**config, fused=False)):
+            p, state = params, tx.init(params)
+            step = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))
+            for g in grads:
+                p, state = step(p, g, state)
+            out.append((p, state))
+        _assert_same_bits(out[0], out[1])
+    assert _kernel_calls(rmsprop(), params) == 1
