@@ -68,10 +68,11 @@ def adamw(
       capturable: accepted for torch compatibility; no effect.
       differentiable: torch's differentiable path's float32 step scalars (see Note;
         static). With it the default (``fused=None``) runs that jitted rule.
-      fused: default None: the one-pass CPU kernel for float32/float64 parameters of at
-        least ``_fused.AUTO_MIN_SIZE`` (8192) elements where it applies, the jitted rule for
-        the rest; ``False``: always the rule; ``True``: the kernel for every such parameter,
-        with several CPU devices too. Bit-identical either way; ``jax.grad``/``jax.jvp``
+      fused: default None: the one-pass CPU kernel for the float32/float64 parameters
+        where it applies, unless a dtype's have fewer than ``_fused.SMALL_STEP`` (1024)
+        elements in all (so small a step runs the jitted rule, faster there); ``False``:
+        always the rule; ``True``: the kernel for every such parameter, with several CPU
+        devices too. Bit-identical either way; ``jax.grad``/``jax.jvp``
         differentiate the rule (performance guide, "The fused CPU kernels").
 
     Returns:

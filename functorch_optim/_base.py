@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -108,6 +109,36 @@ class _Counters:
     where: Any
     shared: bool
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the fields; not the pickers below (cached on first use: functions)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # the record is the pytree metadata of every state it describes: these pickers turn
+    # the Python loops of each jitted call's flatten and unflatten into C calls
+    @functools.cached_property
+    def _first(self) -> dict[int, int]:
+        # per counter, the place where it first appears
+        first: dict[int, int] = {}
+        for i, g in enumerate(self.groups):
+            if g >= 0:
+                first.setdefault(g, i)
+        return first
+
+    @functools.cached_property
+    def pick_first(self) -> Callable[[list], tuple]:
+        """Per place, the place where its counter first appears (-1: ``None``)."""
+        return _picker([self._first[g] if g >= 0 else -1 for g in self.groups])
+
+    @functools.cached_property
+    def pick_counters(self) -> Callable[[list], tuple]:
+        """The distinct counters from the places, in group order."""
+        return _picker([self._first[g] for g in range(len(self._first))])
+
+    @functools.cached_property
+    def pick_places(self) -> Callable[[list], tuple]:
+        """The places from ``[*counters, None]``."""
+        return _picker(self.groups)
+
     def __repr__(self) -> str:
         if not self.shared:
             return "<a step counter per parameter>"
@@ -129,10 +160,9 @@ def _held(record: Any, steps: PyTree) -> list | None:
         positions = record.where.flatten_up_to(steps)
     except (ValueError, TypeError):
         return None
-    seen: dict[int, Any] = {}
-    if all(x is None if g < 0 else seen.setdefault(g, x) is x for x, g in zip(positions, record.groups)):
-        return positions
-    return None
+    # each place against the object at its counter's first place (None at -1), in C
+    expected = record.pick_first([*positions, None])
+    return positions if all(map(operator.is_, positions, expected)) else None
 
 
 def _record(steps: PyTree) -> tuple[_Counters, list]:
@@ -143,6 +173,15 @@ def _record(steps: PyTree) -> tuple[_Counters, list]:
     first: dict[Any, int] = {}
     groups = tuple(-1 if x is None else first.setdefault(_place_key(x), len(first)) for x in positions)
     return _Counters(groups, where, len(first) < sum(g >= 0 for g in groups)), positions
+
+
+def _picker(indices: list[int] | tuple[int, ...]) -> Callable[[list], tuple]:
+    """``seq -> tuple(seq[i] for i in indices)``, run in C (``operator.itemgetter``, which
+    returns a bare item for one index)."""
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*indices) if indices else lambda seq: ()
 
 
 def _place_key(x: Any) -> Any:
@@ -165,22 +204,24 @@ def _counter_place(x: Any) -> bool:
 
 
 def _flatten_state(state: TorchState) -> tuple[list, Any]:
+    """The children (hparams, count, buffers with each shared counter once) and the
+    counters' record: run at every jitted call, so no keys and no Python loops."""
     hparams, count, buffers = state[:3]
     steps = buffers.get("step")
     if steps is None:
-        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], None
+        return [hparams, count, buffers], None
     record = state.step_groups
     positions = _held(record, steps)
     if positions is None:
         record, positions = _record(steps)
     if not record.shared:
-        return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, buffers)], record
-    distinct: dict[int, Any] = {}
-    for x, g in zip(positions, record.groups):
-        if g >= 0:
-            distinct.setdefault(g, x)
-    counters = [distinct[g] for g in range(len(distinct))]
-    return [(_HPARAMS, hparams), (_COUNT, count), (_BUFFERS, {**buffers, "step": counters})], record
+        return [hparams, count, buffers], record
+    return [hparams, count, {**buffers, "step": list(record.pick_counters(positions))}], record
+
+
+def _flatten_state_with_keys(state: TorchState) -> tuple[list, Any]:
+    children, record = _flatten_state(state)
+    return list(zip((_HPARAMS, _COUNT, _BUFFERS), children)), record
 
 
 def _unflatten_state(record: Any, children: Any) -> TorchState:
@@ -188,16 +229,13 @@ def _unflatten_state(record: Any, children: Any) -> TorchState:
     if record is None or not record.shared:
         return TorchState(hparams, count, buffers, record)
     counters = buffers["step"]
-    steps = record.where.unflatten([None if g < 0 else counters[g] for g in record.groups])
+    steps = record.where.unflatten(record.pick_places([*counters, None]))
     return TorchState(hparams, count, {**buffers, "step": steps}, record)
 
 
 _HPARAMS, _COUNT, _BUFFERS = (jax.tree_util.GetAttrKey(n) for n in ("hparams", "count", "buffers"))
 jax.tree_util.register_pytree_with_keys(
-    TorchState,
-    _flatten_state,
-    _unflatten_state,
-    lambda state: (lambda kids, aux: ([c for _, c in kids], aux))(*_flatten_state(state)),
+    TorchState, _flatten_state_with_keys, _unflatten_state, _flatten_state
 )
 
 

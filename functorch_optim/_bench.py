@@ -629,16 +629,11 @@ def accumulate_contenders(
 
 
 #: The compile section's default-argument rows: name -> (functorch_optim's optimizer,
-#: optax's closest construction). Over the section's parameters (1000 elements, under
-#: ``AUTO_MIN_SIZE``) the default runs the jitted rule, as ``fused=False`` does, except
-#: RMSprop's, which takes its kernel at every size.
+#: optax's closest construction).
 DEFAULT_COMPILE_PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-    "sgd default": (lambda: fo.sgd(lr=LR, fused=False), lambda: optax.sgd(LR)),
-    "adamw default": (
-        lambda: fo.adamw(lr=ADAM_LR, fused=False),
-        lambda: optax.adamw(ADAM_LR, weight_decay=1e-2),
-    ),
-    "adagrad default": (lambda: fo.adagrad(lr=ADAGRAD_LR, fused=False), optax_adagrad),
+    "sgd default": (lambda: fo.sgd(lr=LR), lambda: optax.sgd(LR)),
+    "adamw default": (lambda: fo.adamw(lr=ADAM_LR), lambda: optax.adamw(ADAM_LR, weight_decay=1e-2)),
+    "adagrad default": (lambda: fo.adagrad(lr=ADAGRAD_LR), optax_adagrad),
     "rmsprop default": (lambda: fo.rmsprop(lr=1e-2), lambda: optax.rmsprop(1e-2, decay=0.99, eps=1e-8)),
 }
 

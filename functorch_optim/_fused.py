@@ -230,6 +230,34 @@ def window_scale(divisor: Any, dtype: Any) -> Any:
     return jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), jnp.zeros((), dtype))
 
 
+#: XLA's CPU client runs a program inline, on the calling thread, when its cost analysis
+#: estimates under 1000 flops (and it counts a custom call as none): a step over fewer
+#: elements than this runs inline. ``_async_hint``'s length, and the default's smallest
+#: kernel call (``kernel_batches``).
+SMALL_STEP = 1024
+
+
+def _async_hint(param: jax.Array, elements: int) -> jax.Array:
+    """An operand the kernel does not read, worth ``SMALL_STEP`` flops to XLA's cost
+    analysis (an elementwise maximum over that many bytes, computed from an element of
+    ``param``, an argument of the program, so not a folded constant as the scalars may
+    be) when the call updates at least that many ``elements``; one byte otherwise.
+
+    XLA's CPU client runs a program it estimates at under 1000 flops inline, on the
+    calling thread, and counts a custom call as none: a program that is nothing but the
+    kernel call would run inline at every size. JAX's per-call work (flattening the
+    arguments, wrapping the outputs, freeing the donated arrays) then waits for the
+    kernel instead of overlapping it, as it does the jitted rule's program, which runs
+    on XLA's threads from about a thousand elements (its flops). Measured on 2 cores:
+    0.62 -> 0.51 ms for SGD over 100 parameters of 1000 elements, 0.88 -> 0.72 ms for
+    Adam. Below that size inline is the faster choice, as it is for the rule."""
+    size = SMALL_STEP if elements >= SMALL_STEP else 1
+    # one byte an element: at most SMALL_STEP bytes of scratch memory (a reduction to
+    # one byte kept them: XLA splits it in two and materializes its input)
+    flag = jax.lax.stop_gradient(param.ravel()[:1] != 0).astype(jnp.uint8)
+    return jnp.maximum(np.arange(size).astype(np.uint8), flag)
+
+
 def _call(
     target: str,
     leaves: list[Leaf],
@@ -247,10 +275,6 @@ def _call(
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
-    # the engine advances the counters (``_base.advance_counters``: parameters that step
-    # alike share one); the kernel advances stand-ins, in outputs of their own (not
-    # aliased: an aliased constant is copied first) that the state drops
-    steps = [jnp.zeros((), jnp.int32) for _ in leaves]
     if window is None:
         grads = [leaf[1].astype(dtype) for leaf in leaves]
     else:
@@ -266,12 +290,11 @@ def _call(
     c = caster(dtype)
     scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
     flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
-    outputs = [*params, *buffers, *steps]
+    outputs = [*params, *buffers]
     out = jax.ffi.ffi_call(
         target,
         [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs],
-        # params -> outputs 0..L-1, then buffers (the grads sit between); the stand-in
-        # counters' outputs are the kernel's own
+        # params -> outputs 0..L-1, then buffers (the grads sit between)
         input_output_aliases={
             **{i: i for i in range(count)},
             **{2 * count + j: count + j for j in range(len(buffers))},
@@ -281,9 +304,9 @@ def _call(
         *params,
         *grads,
         *buffers,
-        *steps,
         scalars,
         flags,
+        _async_hint(params[0], sum(x.size for x in params)),
         count=np.int64(count),
         window=window is not None,
         **attrs,
@@ -298,25 +321,21 @@ def _call(
     ]
 
 
-def fused_algorithm(
-    algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False, small_leaves: bool = False
-) -> Algorithm:
+def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False) -> Algorithm:
     """``algorithm`` with ``kernel`` as its ``fused_step``. With ``fused=True`` it loads
     the kernel library now, so that a missing one is reported (one warning) at
     construction; the default loads it when a step is first traced (so that building an
     optimizer, e.g. at import, never warns); without it the fused step runs the jitted
-    rule. ``auto`` (``fused=None``): not where several CPU
-    devices could shard the step either (``_kernels_apply``), and only for parameters of
-    at least ``AUTO_MIN_SIZE`` elements, unless ``small_leaves`` (RMSprop, whose rule
-    emulates its exact FMAs: the kernel is as fast on small parameters and compiles in
-    less time). (torch's "floating point params only" check for ``fused`` is every
-    optimizer's here.)"""
+    rule. ``auto`` (``fused=None``): not where several CPU devices could shard the step
+    either (``_kernels_apply``), nor for a dtype's parameters of fewer than
+    ``SMALL_STEP`` elements in all (``kernel_batches``). (torch's "floating point params
+    only" check for ``fused`` is every optimizer's here.)"""
     if not auto:  # the default loads the library when a step is first traced
         load_kernels()
     return dataclasses.replace(
         algorithm,
-        fused_step=FusedStep(kernel, algorithm, auto, small_leaves),
-        fused_window=FusedWindow(kernel, auto, small_leaves),
+        fused_step=FusedStep(kernel, algorithm, auto),
+        fused_window=FusedWindow(kernel, auto),
     )
 
 
@@ -376,30 +395,19 @@ def kernel_leaf(param: jax.Array) -> bool:
     return param.dtype in _KERNEL_DTYPES and param.size > 0 and not _explicitly_sharded(param)
 
 
-#: ``fused=None``'s per-parameter rule: a parameter takes the kernel only if it has at
-#: least this many elements (``auto_kernel_leaf``); smaller ones run the jitted rule, in
-#: the same step (the two give the same bits, so mixing them is exact). See
-#: docs/guide/performance.md for the measurements behind it.
-AUTO_MIN_SIZE = 8192
-
-
-def auto_kernel_leaf(param: jax.Array) -> bool:
-    """Whether the default (``fused=None``) updates ``param`` in the kernel (on the CPU): a
-    kernel leaf (``kernel_leaf``) with at least ``AUTO_MIN_SIZE`` elements."""
-    return kernel_leaf(param) and param.size >= AUTO_MIN_SIZE
-
-
-def _takes_kernel(auto: bool, small_leaves: bool) -> Callable[[jax.Array], bool]:
-    return auto_kernel_leaf if auto and not small_leaves else kernel_leaf
-
-
-def _batches(leaves: list[Leaf], takes: Callable[[jax.Array], bool] = kernel_leaf) -> list[list[int]]:
-    """The indices of the leaves that ``takes`` the kernel, one list per call: by dtype, at
-    most ``_LEAVES_PER_CALL`` each."""
+def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
+    """The indices of the parameters that take the kernel, one list per call: the kernel
+    leaves (``kernel_leaf``) by dtype, at most ``_LEAVES_PER_CALL`` a call. For the
+    default (``auto``) a dtype whose kernel leaves have fewer than ``SMALL_STEP``
+    elements in all runs the jitted rule instead: a step that small runs inline either
+    way (``_async_hint``), where the rule's program is the cheaper call (measured: a
+    Linear(10, 1), Adam 25 us a step against the kernel's 35)."""
     groups: dict[Any, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if takes(leaf[0]):
-            groups.setdefault(leaf[0].dtype, []).append(i)
+    for i, param in enumerate(params):
+        if kernel_leaf(param):
+            groups.setdefault(param.dtype, []).append(i)
+    if auto:
+        groups = {d: v for d, v in groups.items() if sum(params[i].size for i in v) >= SMALL_STEP}
     return [v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)]
 
 
@@ -415,8 +423,7 @@ class FusedStep:
 
     kernel: Callable[..., list[tuple[jax.Array, dict[str, jax.Array]]]]
     algorithm: Algorithm
-    auto: bool = False  # fused=None: see _kernels_apply
-    small_leaves: bool = False  # fused=None takes parameters under AUTO_MIN_SIZE too
+    auto: bool = False  # fused=None: see _kernels_apply, kernel_batches
 
     def __call__(
         self, leaves: list[Leaf], hparams_of, static, one: jax.Array
@@ -424,13 +431,13 @@ class FusedStep:
         kernel, algorithm = self.kernel, self.algorithm
         # load_kernels registers the targets (also in a process that unpickled this step);
         # without the library every parameter takes the rule
-        loaded = _kernels_apply(self.auto)
-        takes = _takes_kernel(self.auto, self.small_leaves)
+        batches = kernel_batches([leaf[0] for leaf in leaves], self.auto) if _kernels_apply(self.auto) else []
+        taken = {i for indices in batches for i in indices}
         out: list[Any] = [None] * len(leaves)
         for i, leaf in enumerate(leaves):
-            if not (loaded and takes(leaf[0])):
+            if i not in taken:
                 out[i] = rule_step(algorithm, leaf, hparams_of, static, one)
-        for indices in _batches(leaves, takes) if loaded else []:
+        for indices in batches:
             group = [
                 (*leaves[i][:4], jnp.asarray(True if leaves[i][4] is None else leaves[i][4])) for i in indices
             ]
@@ -453,17 +460,18 @@ class FusedWindow:
     ``kernel`` (a value, like ``FusedStep``)."""
 
     kernel: Callable[..., list]
-    auto: bool = False  # fused=None: see _kernels_apply
-    small_leaves: bool = False  # as FusedStep's
+    auto: bool = False  # fused=None: see _kernels_apply, kernel_batches
 
     def ready(self, params: list[jax.Array]) -> bool:
         """Whether this can take a call over ``params``: the kernels apply and every
-        non-empty parameter takes the kernel (``kernel_leaf``; for the default, unless
-        ``small_leaves``, ``auto_kernel_leaf``: one call covers every parameter, so a tree
-        with a small one runs the jitted path); otherwise grad_accumulate runs the jitted
-        path."""
-        takes = _takes_kernel(self.auto, self.small_leaves)
-        return _kernels_apply(self.auto) and all(takes(p) or not p.size for p in params)
+        non-empty parameter takes the kernel (``kernel_batches``: one call covers every
+        parameter, so a tree with a bfloat16 one, or for the default a dtype of fewer
+        than ``SMALL_STEP`` elements, runs the jitted path); otherwise grad_accumulate
+        runs the jitted path."""
+        if not _kernels_apply(self.auto):
+            return False
+        taken = {i for indices in kernel_batches(params, self.auto) for i in indices}
+        return all(i in taken or not p.size for i, p in enumerate(params))
 
     def __call__(
         self, leaves: list[Leaf], window: Window, hparams_of, static, one: jax.Array
@@ -474,7 +482,7 @@ class FusedWindow:
         for i, (param, _, buffers, _, _) in enumerate(leaves):
             if not param.size:
                 out[i] = (param, buffers, window.accs[i])
-        for indices in _batches(leaves):
+        for indices in kernel_batches([leaf[0] for leaf in leaves], auto=False):
             group = [leaves[i] for i in indices]
             at = np.asarray(indices)
             part = window._replace(

@@ -293,13 +293,13 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
 
 // ----------------------------------------------------------------------- the call
 // One call updates every parameter of one dtype. ``args`` = params[L], grads[L], then
-// each buffer kind's L arrays (with ``window``, the accumulator last), the step
-// counters[L] (int32 scalars), then scalars [L, S] (the parameters' dtype) and flags
-// [L, F] (int32, flags[i][0] = "parameter i takes this step"); ``rets`` = params[L], the
-// buffers and the step counters, each aliasing its argument. Advancing the counters here
-// keeps a step over L parameters one XLA kernel instead of L + 1 (one per counter). A
-// window call's parameter without a gradient in this call (its gradient flag is 0) may
-// have a one-element stand-in for it.
+// each buffer kind's L arrays (with ``window``, the accumulator last), then scalars
+// [L, S] (the parameters' dtype), flags [L, F] (int32, flags[i][0] = "parameter i takes
+// this step") and a last operand the kernel does not read (``_fused._call``: it keeps
+// XLA's CPU client from running the program inline on the caller's thread); ``rets`` =
+// params[L] and the buffers, each aliasing its argument. The step counters are the jitted
+// code's (parameters that step alike share one). A window call's parameter without a
+// gradient in this call (its gradient flag is 0) may have a one-element stand-in for it.
 template <typename T>
 struct Leaves {
   int64_t count = 0, buffers = 0, n_scalars = 0, n_flags = 0;
@@ -308,7 +308,6 @@ struct Leaves {
   std::vector<T*> param;
   std::vector<const T*> grad;  // nullptr: no gradient in this call (window only)
   std::vector<T*> buffer;      // buffer[k * count + i]; the accumulator is kind ``buffers``
-  std::vector<int32_t*> step;
   const T* scalars = nullptr;
   const int32_t* flags = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
@@ -334,13 +333,13 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   };
   const int64_t kinds = buffers + (window ? 1 : 0);
   if (window) n_scalars += 2, n_flags += 4;
-  if (count < 1 || static_cast<int64_t>(args.size()) != (3 + kinds) * count + 2 ||
-      static_cast<int64_t>(rets.size()) != (2 + kinds) * count) {
+  if (count < 1 || static_cast<int64_t>(args.size()) != (2 + kinds) * count + 3 ||
+      static_cast<int64_t>(rets.size()) != (1 + kinds) * count) {
     return fail("wrong number of operands");
   }
   const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
-  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((3 + kinds) * count).value();
-  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((3 + kinds) * count + 1).value();
+  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((2 + kinds) * count).value();
+  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((2 + kinds) * count + 1).value();
   if (scalars.element_type() != dtype || scalars.element_count() != count * n_scalars ||
       flags.element_type() != ffi::S32 || flags.element_count() != count * n_flags) {
     return fail("bad scalars or flags");
@@ -370,11 +369,6 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
       out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
     }
   }
-  for (int64_t i = 0; i < count; ++i) {
-    ffi::AnyBuffer b = args.get<ffi::AnyBuffer>((2 + kinds) * count + i).value();
-    if (b.element_type() != ffi::S32 || b.element_count() != 1) return fail("bad step counter");
-    out.step.push_back(static_cast<int32_t*>(rets.get<ffi::AnyBuffer>((1 + kinds) * count + i).value()->untyped_data()));
-  }
   return ffi::Error::Success();
 }
 
@@ -392,9 +386,9 @@ void WindowWork(const Leaves<T>& x, int64_t i, int64_t lo, int64_t hi) {
       x.grad[i] != nullptr, w.scale != T(1));
 }
 
-// Runs step(leaf, lo, hi) over the elements of every active leaf, in items of kGrain, and
-// advances the active leaves' step counters. In a window call every leaf has work (the
-// accumulator moves on every call): an active leaf steps, the others run WindowWork.
+// Runs step(leaf, lo, hi) over the elements of every active leaf, in items of kGrain. In
+// a window call every leaf has work (the accumulator moves on every call): an active leaf
+// steps, the others run WindowWork.
 template <typename T, typename Step>
 void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
   struct Item {
@@ -405,7 +399,6 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
   for (int64_t i = 0; i < leaves.count; ++i) {
     // grad_mask: outputs alias inputs, unchanged
     const bool active = leaves.flag_row(i)[0] != 0;
-    if (active) ++*leaves.step[i];
     if (!active && !leaves.window) continue;
     for (int64_t lo = 0; lo < leaves.size[i]; lo += kGrain) {
       items.push_back({i, lo, std::min(leaves.size[i], lo + kGrain), active});
@@ -448,11 +441,6 @@ void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maxi
     });
   };
   ForEachItem(pool, x, step);
-  // with a buffer, the counter counts the steps taken with momentum != 0 (the first one
-  // creates the buffer, as in torch): a step with momentum == 0 does not advance it
-  for (int64_t i = 0; i < x.count; ++i) {
-    if (x.buffers > 0 && x.flag_row(i)[0] && !x.flag_row(i)[3]) --*x.step[i];
-  }
 }
 
 template <typename T>

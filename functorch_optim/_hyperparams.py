@@ -164,7 +164,7 @@ class HParams(Mapping):
         scheduled: tuple[str, ...] = (),
         schedule_state: Mapping[str, Any] | None = None,
     ) -> None:
-        self._values = dict(values)
+        self._values = dict(sorted(dict(values).items()))  # the order of the flattened tree
         self.kind = kind
         self.validator = validator
         self._static = tuple(sorted(dict(static).items()))
@@ -216,11 +216,22 @@ class HParams(Mapping):
         self.validator(merged, self.static)
         check_fixed(self.kind, self.static, merged)
 
+    def tree_flatten(self):
+        # run at every jitted call: ``_values`` is kept in sorted order (``__init__``,
+        # ``tree_unflatten``), so no sort and no keys here
+        keys = tuple(self._values)
+        return [*self._values.values(), self.schedule_state], (
+            keys,
+            self.kind,
+            self.validator,
+            self._static,
+            self.scheduled,
+        )
+
     def tree_flatten_with_keys(self):
-        keys = tuple(sorted(self._values))
-        children = [(jax.tree_util.DictKey(k), self._values[k]) for k in keys]
-        children.append((jax.tree_util.GetAttrKey("schedule_state"), self.schedule_state))
-        return children, (keys, self.kind, self.validator, self._static, self.scheduled)
+        children, aux = self.tree_flatten()
+        names = [jax.tree_util.DictKey(k) for k in aux[0]] + [jax.tree_util.GetAttrKey("schedule_state")]
+        return list(zip(names, children)), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):

@@ -187,10 +187,11 @@ def rmsprop(
       differentiable: accepted for torch compatibility; every step is differentiable.
 
     On the CPU the float32/float64 parameters are updated by a one-pass C++ kernel, with
-    one CPU device (as the default ``fused=None`` of ``sgd``, ``adam``, ``adamw`` and
-    ``adagrad``, here at every parameter size), bit-identical to the jitted rule that runs
-    everywhere else; torch has no fused RMSprop, so there is no ``fused`` argument
-    (performance guide, "The fused CPU kernels").
+    one CPU device (as by the default ``fused=None`` of ``sgd``, ``adam``, ``adamw`` and
+    ``adagrad``: a dtype's parameters of fewer than 1024 elements in all take the rule),
+    bit-identical to the jitted rule that runs everywhere else; torch has no fused
+    RMSprop, so there is no ``fused`` argument (performance guide, "The fused CPU
+    kernels").
 
     Returns:
       An optax ``GradientTransformationExtraArgs``. Its state is a ``TorchState`` with
@@ -259,9 +260,8 @@ def _build(lr, alpha, eps, weight_decay, momentum, centered, maximize, fused):
     )
     static = {"centered": bool(centered), "maximize": bool(maximize), "has_momentum": has_momentum}
     # the one-pass CPU kernel where it applies (as the default fused=None of SGD, Adam,
-    # AdamW and Adagrad), for small parameters too (the rule's emulated FMAs cost more
-    # than a kernel call), and the jitted rule elsewhere
+    # AdamW and Adagrad), and the jitted rule elsewhere
     algorithm = RMSPROP_ALGORITHM
     if fused is not False:
-        algorithm = fused_algorithm(RMSPROP_ALGORITHM, rmsprop_kernel, auto=fused is None, small_leaves=True)
+        algorithm = fused_algorithm(RMSPROP_ALGORITHM, rmsprop_kernel, auto=fused is None)
     return make_optimizer(algorithm, hparams, static)

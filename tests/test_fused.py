@@ -149,11 +149,10 @@ def test_compiled_step_is_one_in_place_kernel_call(tx):
     # one call updates every parameter of a dtype
     assert len(re.findall(r"custom-call\(", text)) == 1
     assert unaliased_paths(compiled, (params, params, state), (0, 2)) == []
-    # no parameter-sized temporary: scalars only
+    # no parameter-sized temporary: scalars and the 1 KiB async hint only
     assert compiled.memory_analysis().temp_size_in_bytes < 4096
-    # and no counter copied per parameter (the kernel's stand-ins are outputs of their
-    # own, where aliasing them copied a constant for each parameter); at most the
-    # optimizer's count and the one step counter the parameters share
+    # and no counter copied per parameter: at most the optimizer's count and the one
+    # step counter the parameters share
     assert len(params) > 2
     assert len(re.findall(r"= s32\[\]\S* copy\(", entry_text(compiled))) <= 2
 
@@ -169,7 +168,7 @@ def test_compiled_step_is_one_in_place_kernel_call(tx):
     ids=["sgd", "adam", "adagrad", "rmsprop"],
 )
 def test_kernels_besides_the_call_do_not_grow_with_the_parameters(make):
-    # the call advances the step counters itself: the scalar work around it (bias
+    # the parameters share one step counter: the scalar work around the call (bias
     # corrections, flags) is a fixed number of kernels, not one counter kernel per parameter
     def fusions(n):
         params = {f"p{i:02d}": jnp.linspace(-1.0, 1.0, 5 + i, dtype=jnp.float32) for i in range(n)}
@@ -476,10 +475,10 @@ def _kernel_calls(tx, params) -> int:
 
 
 @pytest.fixture
-def small_leaves_take_the_kernel(monkeypatch):
-    # the default's kernel path over the small parameters of these tests (the default
-    # leaves parameters under AUTO_MIN_SIZE elements to the jitted rule)
-    monkeypatch.setattr(_fused, "AUTO_MIN_SIZE", 1)
+def small_steps_take_the_kernel(monkeypatch):
+    # the default's kernel path over the few parameters of these tests (the default
+    # leaves a dtype of fewer than SMALL_STEP elements in all to the jitted rule)
+    monkeypatch.setattr(_fused, "SMALL_STEP", 1)
 
 
 def _kernel_operands(tx, params) -> list[str]:
@@ -489,31 +488,33 @@ def _kernel_operands(tx, params) -> list[str]:
     shapes = []
     for line in text.splitlines():
         if "custom-call(" in line and "custom_call_target=" in line:
-            outputs = line.split("= (", 1)[1].split(")", 1)[0]
+            outputs = line.split(" = ", 1)[1].split(" custom-call(", 1)[0].strip("()")
             shapes += [t.strip() for t in outputs.split(", ") if t.strip().startswith("f")]
     return shapes
 
 
-def test_the_default_takes_the_kernel_for_large_parameters_and_the_rule_for_small():
-    n = _fused.AUTO_MIN_SIZE
+def test_the_default_takes_the_kernel_for_every_parameter_of_a_dtype_unless_the_step_is_small():
+    n = _fused.SMALL_STEP
     params = {
-        "big": jnp.linspace(-1.0, 1.0, 3 * n, dtype=jnp.float32).reshape(3, n),
-        "at": jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32),
-        "under": jnp.linspace(-1.0, 1.0, n - 1, dtype=jnp.float32),
+        "w": jnp.linspace(-1.0, 1.0, n - 1, dtype=jnp.float32),
         "bias": jnp.ones((7,), jnp.float32),
+        "w64": jnp.linspace(-1.0, 1.0, n - 8, dtype=jnp.float64),
+        "bias64": jnp.ones((7,), jnp.float64),
         "half": jnp.ones((2 * n,), jnp.bfloat16),
         "empty": jnp.zeros((0,), jnp.float32),
     }
-    assert [k for k, v in params.items() if _fused.auto_kernel_leaf(v)] == ["big", "at"]
-    assert [k for k, v in params.items() if _fused.kernel_leaf(v)] == ["big", "at", "under", "bias"]
-    large = {f"f32[3,{n}]{{1,0}}", f"f32[{n}]{{0}}"}
-    every = {*large, f"f32[{n - 1}]{{0}}", "f32[7]{0}"}
-    # RMSprop's default takes the kernel for small parameters too (its rule emulates
-    # exact FMAs: slower than the kernel at every size)
-    for factory, default in ((fo.sgd, large), (fo.adamw, large), (fo.adagrad, large), (rmsprop, every)):
+    assert [k for k, v in params.items() if _fused.kernel_leaf(v)] == ["w", "bias", "w64", "bias64"]
+    # float32: n + 6 elements in all, both parameters, the 7-element bias too; float64:
+    # n - 1 in all, a step that runs inline either way: the rule
+    arrays = list(params.values())
+    assert _fused.kernel_batches(arrays, auto=True) == [[0, 1]]
+    assert _fused.kernel_batches(arrays, auto=False) == [[0, 1], [2, 3]]
+    default = {f"f32[{n - 1}]{{0}}", "f32[7]{0}"}
+    every = {*default, f"f64[{n - 8}]{{0}}", "f64[7]{0}"}
+    for factory in (fo.sgd, fo.adamw, fo.adagrad, rmsprop):
         kw = {"momentum": 0.9} if factory in (fo.sgd, rmsprop) else {}
-        # the parameters' outputs of the kernel call (and their buffers, of the same
-        # shapes): the default's, then every float32 one
+        # the parameters' outputs of the kernel calls (and their buffers, of the same
+        # shapes): the default's, then every float32/float64 one
         shapes = set(_kernel_operands(factory(lr=0.1, **kw), params))
         assert shapes == default, shapes
         shapes = set(_kernel_operands(factory(lr=0.1, fused=True, **kw), params))
@@ -531,28 +532,54 @@ def test_the_default_takes_the_kernel_for_large_parameters_and_the_rule_for_smal
         _assert_same_bits(out[0], out[1])
 
 
-def test_grad_accumulate_over_the_default_takes_the_window_kernel_only_if_every_parameter_is_large():
-    n = _fused.AUTO_MIN_SIZE
+def test_a_kernel_step_of_at_least_small_step_elements_is_not_run_inline():
+    # XLA's CPU client runs a program of under 1000 flops (by its cost analysis, which
+    # counts a custom call as none) inline on the calling thread: the kernel's unread
+    # operand makes a step over SMALL_STEP elements or more count as that many flops
+    n = _fused.SMALL_STEP
+
+    def flops(tx, params):
+        fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+        return fn.lower(params, params, tx.init(params)).compile().cost_analysis()["flops"]
+
+    for factory in (fo.sgd, fo.adam, fo.adagrad, rmsprop):
+        large = {"w": jnp.ones((n - 3,), jnp.float32), "b": jnp.ones((3,), jnp.float32)}
+        assert _kernel_operands(factory(lr=0.1, fused=True), large)
+        assert flops(factory(lr=0.1, fused=True), large) >= 1000
+        # a smaller kernel step stays inline, as the rule's program of that size
+        small = {"w": jnp.ones((10,), jnp.float32)}
+        assert _kernel_operands(factory(lr=0.1, fused=True), small)
+        assert flops(factory(lr=0.1, fused=True), small) < 1000
+
+
+def test_grad_accumulate_over_the_default_takes_the_window_kernel_only_if_every_parameter_takes_it():
+    n = _fused.SMALL_STEP
 
     def compiled(tx, params):
         fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
         return fn.lower(params, params, tx.init(params)).compile().as_text()
 
-    def window_kernel(text):  # one kernel call and no loop around it
-        return len(re.findall(r"custom-call\(", text)) == 1 and not re.search(r" while\(", text)
+    def window_kernel(text, calls=1):  # kernel calls and no loop around them
+        return len(re.findall(r"custom-call\(", text)) == calls and not re.search(r" while\(", text)
 
-    large = {"a": jnp.ones((n,), jnp.float32), "b": jnp.ones((2, n), jnp.float32)}
+    large = {"a": jnp.ones((n,), jnp.float32), "b": jnp.ones((2, 3), jnp.float32)}
     assert window_kernel(compiled(fo.grad_accumulate(fo.adamw(lr=0.1), every=2), large))
-    mixed = {**large, "bias": jnp.ones((3,), jnp.float32)}
-    text = compiled(fo.grad_accumulate(fo.adamw(lr=0.1), every=2), mixed)
-    # the jitted window (its loop), in which the inner step takes the kernel for the large two
-    assert re.search(r" while\(", text) and _kernel_operands(fo.adamw(lr=0.1), mixed)
-    assert window_kernel(compiled(fo.grad_accumulate(fo.adamw(lr=0.1, fused=True), every=2), mixed))
+    for extra in (jnp.ones((3,), jnp.float64), jnp.ones((3,), jnp.bfloat16)):
+        mixed = {**large, "c": extra}
+        text = compiled(fo.grad_accumulate(fo.adamw(lr=0.1), every=2), mixed)
+        # the jitted window (its loop), in which the inner step takes the kernel for the
+        # float32 two
+        assert re.search(r" while\(", text) and _kernel_operands(fo.adamw(lr=0.1), mixed)
+    # fused=True: a window kernel call per dtype, the small float64 one too
+    float64 = {**large, "c": jnp.ones((3,), jnp.float64)}
+    assert window_kernel(
+        compiled(fo.grad_accumulate(fo.adamw(lr=0.1, fused=True), every=2), float64), calls=2
+    )
 
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
 def test_the_default_takes_the_kernel_and_fused_false_the_rule(
-    name, factory, config, small_leaves_take_the_kernel
+    name, factory, config, small_steps_take_the_kernel
 ):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
     assert _kernel_calls(factory(**config), params) == 1
@@ -570,7 +597,7 @@ def _unrolled_loss(tx, params, steps=3):
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
 def test_grad_and_jvp_through_default_steps_differentiate_the_rule(
-    name, factory, config, small_leaves_take_the_kernel
+    name, factory, config, small_steps_take_the_kernel
 ):
     # the kernel has no derivative: a custom JVP runs the jitted rule's
     params = {"w": jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64), "b": jnp.full((3,), 0.3, jnp.float64)}
@@ -586,7 +613,7 @@ def test_grad_and_jvp_through_default_steps_differentiate_the_rule(
 
 
 @pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
-def test_vmap_over_default_states_equals_the_rule(name, factory, config, small_leaves_take_the_kernel):
+def test_vmap_over_default_states_equals_the_rule(name, factory, config, small_steps_take_the_kernel):
     params = {"w": jnp.stack([jnp.linspace(-1.0, 1.0, 5), jnp.linspace(0.5, 2.0, 5)]), "b": jnp.ones((2, 3))}
     out = []
     for tx in (factory(**config), factory(**config, fused=False)):
@@ -599,7 +626,7 @@ def test_vmap_over_default_states_equals_the_rule(name, factory, config, small_l
 
 
 def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differentiates(
-    small_leaves_take_the_kernel,
+    small_steps_take_the_kernel,
 ):
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
     tx = fo.grad_accumulate(fo.adamw(lr=0.1), every=3)
