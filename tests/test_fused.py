@@ -680,3 +680,38 @@ def test_rmsprop_kernel_equals_the_rule_from_underflow_to_overflow(dtype):
             out.append((p, state))
         _assert_same_bits(out[0], out[1])
     assert _kernel_calls(rmsprop(), params) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=1e-2, nesterov=True)),
+        ("adam", dict(lr=1e-2, amsgrad=True)),
+        ("adamw", dict(lr=1e-2)),
+        ("adagrad", dict(lr=0.1, lr_decay=0.01)),
+        ("rmsprop", dict(lr=1e-2, momentum=0.5, centered=True)),
+    ],
+)
+def test_the_default_over_a_torch_modules_parameters_takes_the_kernel_and_matches_torch(name, config):
+    # a real torch module's parameters (interop.torch): 1261 float64 elements, so the
+    # default sends all four to the kernel, the one-element output bias too
+    torch = pytest.importorskip("torch")
+    from functorch_optim.interop.torch import tree_from_module
+    from functorch_optim.testing import assert_matches_torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 1)).double()
+    params = tree_from_module(model)
+    assert _fused.kernel_batches(jax.tree.leaves(params), auto=True) == [[0, 1, 2, 3]]
+    shapes = set(_kernel_operands(getattr(fo, name)(**config), params))
+    assert shapes == {"f64[30,40]{1,0}", "f64[30]{0}", "f64[1,30]{1,0}", "f64[1]{0}"}, shapes
+
+    def loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p["0"]["weight"].T + p["0"]["bias"][None, :])
+        return jnp.mean((h @ p["2"]["weight"].T + p["2"]["bias"][None, :] - y) ** 2)
+
+    rng = np.random.default_rng(1)
+    data = [(rng.standard_normal((16, 40)), rng.standard_normal((16, 1))) for _ in range(25)]
+    report = assert_matches_torch(name, params, loss_fn=loss, data=data, rtol=1e-12, **config)
+    assert report.steps == 25 and report.max_rel < 1e-12
