@@ -31,7 +31,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -234,26 +233,11 @@ FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
   }
 }
 
-// ``_torch_ops.fma(a, b, c)``: the correctly rounded ``a * b + c`` where the rule's
-// emulation is exact, else, as it does, the plain expression ``a * b + c``, rounded twice
-// (XLA does not contract it: the product has other uses). Plain where it or the product
-// is not finite, or where the product is at most 2^-78 (float32; float64: 2^-916) in
-// magnitude: below that, the emulation's partial products may be subnormal, which XLA
-// flushes to zero.
-template <typename T>
-inline T RuleFma(T a, T b, T c) {
-  const T p = a * b;
-  const T plain = p + c;
-  constexpr T kU = std::numeric_limits<T>::epsilon() / 2;
-  constexpr T kTiny = std::numeric_limits<T>::min() / (kU * kU);
-  const bool usable = std::isfinite(plain) && std::isfinite(p) && std::abs(p) > kTiny;
-  return usable ? std::fma(a, b, c) : plain;
-}
-
 // ------------------------------------------------------------------------------ RMSprop
 // scalars: [alpha, 1 - alpha, 1 - (1 - alpha), eps, -lr, weight_decay, momentum]
 // flags:   [active, weight_decay != 0, momentum > 0, |1 - alpha| < 0.5]
-// The rule's exact ``fma`` (``_torch_ops.fma``, emulated in JAX) is ``RuleFma``.
+// The rule's ``_torch_ops.fma`` is one FMA instruction in XLA's CPU program (where the CPU
+// has one: ``cpu_contracts_fma``), so ``std::fma`` here.
 template <typename T>
 struct RmspropScalars {
   T alpha, oma, omoma, eps, neg_lr, wd, mom, sign;
@@ -266,25 +250,25 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
     T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, w) * c.sign;
-    if (kWd) gi = RuleFma(pi, c.wd, gi);
+    if (kWd) gi = std::fma(pi, c.wd, gi);
     // square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
-    const T ns = RuleFma(c.oma * gi, gi, sq[i] * c.alpha);
+    const T ns = std::fma(c.oma * gi, gi, sq[i] * c.alpha);
     sq[i] = ns;
     T second = ns;
     if (kCentered) {
       // grad_avg.lerp_(grad, 1 - alpha); square_avg.addcmul(grad_avg, grad_avg, value=-1)
       const T a = ga[i];
       const T diff = gi - a;
-      const T na = kSmall ? RuleFma(c.oma, diff, a) : RuleFma(-diff, c.omoma, gi);
+      const T na = kSmall ? std::fma(c.oma, diff, a) : std::fma(-diff, c.omoma, gi);
       ga[i] = na;
-      second = RuleFma(-na, na, ns);
+      second = std::fma(-na, na, ns);
     }
     const T denom = std::sqrt(second) + c.eps;
     if (kMom) {
       // buf.mul_(momentum).addcdiv_(grad, avg): XLA contracts the product into the add
       const T nb = std::fma(mb[i], c.mom, gi / denom);
       mb[i] = nb;
-      p[i] = RuleFma(nb, c.neg_lr, pi);
+      p[i] = std::fma(nb, c.neg_lr, pi);
     } else {
       p[i] = pi + (c.neg_lr * gi) / denom;
     }

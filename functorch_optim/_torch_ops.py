@@ -9,12 +9,13 @@ tensor's dtype first (bf16!), where mul/addcmul/addcdiv/lerp scalars stay in opm
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _STAGED
+import numpy as np
 
 from functorch_optim._hyperparams import fixed
 from functorch_optim._tree import opmath_dtype
@@ -88,21 +89,70 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     """``a * b + c`` rounded once, as the fused multiply-adds of torch's CPU kernels
     (``addcmul`` is ``fma(value * t1, t2, self)``, ``lerp`` and ``add(alpha=)`` are FMAs).
 
-    JAX has no FMA primitive, and whether XLA contracts ``a * b + c`` depends on
-    ``jit`` and the surrounding fusion; this computes it exactly in the arrays' own
-    dtype (float32 or float64), independent of contraction: the product as an exact
-    pair (Dekker's product of split halves), then ``product + c`` summed with rounding
-    to odd for the low part and to nearest at the end (Boldo and Melquiond, "Emulation
-    of FMA and correctly rounded sums: proved algorithms using rounding to odd", 2008).
-    Where ``a * b + c`` is not finite, or ``a * b`` is below 2**-78 (float32; float64:
-    2**-916) in magnitude, it is the plain expression, rounded twice.
+    JAX has no FMA primitive. On the CPU, XLA's code generator fuses a multiply whose
+    only use is an add into one FMA instruction (it compiles with LLVM's
+    ``AllowFPOpFusion=Fast``: "this increases precision"), so where this machine's CPU
+    does (``cpu_contracts_fma``, probed once) the CPU program is ``a * b + stored(c)``:
+    one instruction, correctly rounded everywhere (``stored`` keeps a product in ``c``
+    from being the one fused). Elsewhere (a GPU or TPU, or a CPU without FMA) it is
+    computed exactly in the arrays' own dtype: the product as an exact pair (Dekker's
+    product of split halves), then ``product + c`` summed with rounding to odd for the
+    low part and to nearest at the end (Boldo and Melquiond, "Emulation of FMA and
+    correctly rounded sums: proved algorithms using rounding to odd", 2008); where
+    ``a * b + c`` is not finite, or ``a * b`` is below 2**-78 (float32; float64: 2**-916)
+    in magnitude, that emulation is the plain expression, rounded twice. Outside ``jit``
+    too it runs as a compiled program (the same one), never op by op.
     """
     a, b, c = jnp.broadcast_arrays(*(jnp.asarray(x) for x in (a, b, c)))
-    if all(isinstance(x, _STAGED) for x in (a, b, c)):
-        # being staged into a jit: traced once per shape and dtype, its equations
-        # inlined where it is called (the same program as tracing it at every call)
-        return _staged_fma(a, b, c)
-    return _fma(a, b, c)
+    return _fma_program(a, b, c)
+
+
+@functools.partial(jax.jit, inline=True)
+def _fma_program(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    # traced once per shape and dtype, its equations inlined where it is called inside a
+    # jit; the CPU branch only where this machine's XLA fuses it (a trace-time fact)
+    if not cpu_contracts_fma(a.dtype):
+        return _fma(a, b, c)
+    return jax.lax.platform_dependent(a, b, c, cpu=_contracted_fma, default=_fma)
+
+
+def _contracted_fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """``a * b + c`` as one FMA instruction where XLA's CPU code generator fuses it: the
+    product's only use is the add, and ``c`` (through ``stored``'s select) is no
+    product the add could fuse instead."""
+    return a * b + stored(c)
+
+
+def cpu_contracts_fma(dtype: Any) -> bool:
+    """Whether XLA on this machine's CPU computes ``_contracted_fma`` in ``dtype``
+    (float32 or float64) as one rounding: probed once per dtype on ``(1 + e)**2 - (1 +
+    2e)`` (``e`` the dtype's epsilon), which is ``e**2`` rounded once and 0 rounded
+    twice, over a vector loop and its scalar tail. False for other dtypes, for float64
+    while it is not enabled, and where JAX has no CPU device; False too where XLA may not
+    use FMA instructions (a CPU without them, or ``--xla_cpu_max_isa`` below AVX2)."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        return False
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        return False
+    return _probe_contraction(dtype)
+
+
+@functools.cache
+def _probe_contraction(dtype: np.dtype) -> bool:
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        return False
+    eps = np.finfo(dtype).eps
+    n = 67  # vector loop iterations and a tail
+    a = np.full(n, 1 + eps, dtype)
+    c = np.full(n, -(1 + 2 * eps), dtype)
+    # run now, also while a caller's step is being traced (the answer decides its program)
+    with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
+        args = [jax.device_put(x, cpu) for x in (a, a, c)]
+        out = np.asarray(jax.jit(_contracted_fma)(*args))
+    return bool(np.all(out == dtype.type(eps) * dtype.type(eps)))
 
 
 def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
@@ -134,9 +184,6 @@ def _round_to_odd(v: jax.Array, w: jax.Array) -> jax.Array:
     inexact_even = (w != 0) & ((bits & 1) == 0)
     step = jnp.where((w > 0) == (v > 0), jnp.ones((), itype), -jnp.ones((), itype))
     return jax.lax.bitcast_convert_type(jnp.where(inexact_even, bits + step, bits), v.dtype)
-
-
-_staged_fma = jax.jit(_fma, inline=True)
 
 
 def rdiv(number: Any, tensor: jax.Array) -> jax.Array:

@@ -534,25 +534,109 @@ def _fma_cases(dtype):
     return a, b, c
 
 
+@pytest.mark.parametrize("program", ["fma", "emulation"])
 @pytest.mark.parametrize(
     "dtype, x64",
     [(np.float64, True), (np.float32, True), (np.float32, False)],
     ids=["f64", "f32-x64", "f32-x32"],
 )
-def test_fma_is_rounded_once_in_eager_and_jit(dtype, x64):
+def test_fma_is_rounded_once_in_eager_and_jit(dtype, x64, program):
+    # ``fma`` is XLA's contracted a * b + c on this CPU (one instruction, exact
+    # everywhere), the emulation elsewhere (exact but for its plain fallback)
     from functorch_optim import _torch_ops
 
     a, b, c = _fma_cases(dtype)
+    fn = _torch_ops.fma if program == "fma" else _torch_ops._fma
     with jax.enable_x64(x64):
-        outs = [
-            np.asarray(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
-            for fn in (_torch_ops.fma, jax.jit(_torch_ops.fma))
-        ]
+        fallback = program == "emulation" or not _torch_ops.cpu_contracts_fma(dtype)
+        outs = [np.asarray(f(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))) for f in (fn, jax.jit(fn))]
     for out in outs:
         assert out.dtype == dtype
         for x, y, z, o in zip(a, b, c, out):
-            _check_fma(x, y, z, o)
+            _check_fma(x, y, z, o, fallback)
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def _cpu_has_fma() -> bool | None:
+    """Whether this machine's CPU has fused multiply-add instructions (None: unknown here)."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True  # part of every ARMv8 floating-point unit
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return None
+    # XLA's x86 code generation takes FMA with AVX2 (x86-64-v3)
+    return "fma" in flags and "avx2" in flags
+
+
+def test_cpu_contracts_fma_where_the_cpu_has_fma_instructions():
+    from functorch_optim import _torch_ops
+
+    has_fma = _cpu_has_fma()
+    if has_fma is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    assert _torch_ops.cpu_contracts_fma(np.float32) is has_fma
+    with jax.enable_x64(True):
+        assert _torch_ops.cpu_contracts_fma(np.float64) is has_fma
+    with jax.enable_x64(False):
+        assert _torch_ops.cpu_contracts_fma(np.float64) is False  # no float64 arrays then
+    for other in (jnp.bfloat16, np.float16, np.int32):
+        assert _torch_ops.cpu_contracts_fma(other) is False
+
+
+def test_fma_without_cpu_fma_instructions_is_the_exact_emulation(tmp_path):
+    # XLA limited to AVX (no FMA instructions): the probe says so, and fma is the
+    # emulation, rounded once (with its plain fallback), eager and jitted; centered
+    # RMSprop under cancellation still rounds like torch
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_fma.py"
+    script.write_text(
+        "import jax, numpy as np\n"
+        "jax.config.update('jax_enable_x64', True)\n"
+        "from functorch_optim import _torch_ops\n"
+        "from tests.test_classic_adaptive import _fma_cases, _check_fma, "
+        "test_rmsprop_centered_under_cancellation_rounds_like_torch as centered\n"
+        "assert not _torch_ops.cpu_contracts_fma(np.float32)\n"
+        "assert not _torch_ops.cpu_contracts_fma(np.float64)\n"
+        "for dtype in (np.float64, np.float32):\n"
+        "    a, b, c = _fma_cases(dtype)\n"
+        "    for f in (_torch_ops.fma, jax.jit(_torch_ops.fma)):\n"
+        "        out = np.asarray(f(a, b, c))\n"
+        "        for x, y, z, o in zip(a, b, c, out):\n"
+        "            _check_fma(x, y, z, o, True)\n"
+        "    centered(dtype, 0.1, 0.5)\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=AVX", "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_the_rmsprop_rule_has_no_fma_emulation_where_the_cpu_contracts():
+    # the jitted rule (fused=False: what a GPU runs) pays no emulation work on this CPU:
+    # no integer bit manipulation in its compiled step, two loops over memory
+    from functorch_optim import _torch_ops
+    from functorch_optim._rmsprop import rmsprop_variant
+
+    if not _torch_ops.cpu_contracts_fma(np.float32):
+        pytest.skip("XLA uses no FMA instructions on this CPU")
+    params = {"w": jnp.ones(4096, jnp.float32)}
+    for config in (dict(), dict(centered=True, momentum=0.9, weight_decay=0.1)):
+        tx = rmsprop_variant(False, **config)
+        hlo = (
+            jax.jit(functools.partial(fo.step, tx)).lower(params, params, tx.init(params)).compile().as_text()
+        )
+        assert "bitcast-convert" not in hlo, config
 
 
 def _fma_floor(dtype):
@@ -563,16 +647,16 @@ def _fma_floor(dtype):
 
 
 @np.errstate(invalid="ignore", over="ignore")  # inf * 0 and the overflowing cases
-def _check_fma(x, y, z, o):
+def _check_fma(x, y, z, o, fallback):
     """``o`` is ``x * y + z`` rounded once to its dtype (to nearest, ties to even), or,
-    where the rounded product is finite and at most ``_fma_floor`` in magnitude, the
-    product rounded and then the sum."""
+    with ``fallback`` (the emulation's), where the rounded product is finite and at most
+    ``_fma_floor`` in magnitude, the product rounded and then the sum."""
     from fractions import Fraction
 
     dtype = o.dtype.type
     info = np.finfo(dtype)
     product = x * y
-    if np.isfinite(product) and abs(product) <= _fma_floor(dtype) and np.isfinite(z):
+    if fallback and np.isfinite(product) and abs(product) <= _fma_floor(dtype) and np.isfinite(z):
         plain = product + z
         assert o == (plain if abs(plain) >= info.tiny else 0)
         return
@@ -599,26 +683,29 @@ def test_fma_inside_jit_is_traced_once_per_shape_and_dtype_into_the_same_program
     from functorch_optim import _torch_ops
 
     calls = []
-    body = _torch_ops._fma
+    body = _torch_ops._fma_program.__wrapped__
 
     def counted(a, b, c):
         calls.append(a.shape)
         return body(a, b, c)
 
-    def program(a, b):
-        x = _torch_ops.fma(a, b, a)
-        for _ in range(3):
-            x = _torch_ops.fma(x, b, a)
-        return x, _torch_ops.fma(a[0], b[0], a[0])
+    def new_program():  # a new function each time: no trace of it is cached
+        def program(a, b):
+            x = _torch_ops.fma(a, b, a)
+            for _ in range(3):
+                x = _torch_ops.fma(x, b, a)
+            return x, _torch_ops.fma(a[0], b[0], a[0])
+
+        return program
 
     args = (jnp.arange(3.0), jnp.ones(3))
-    monkeypatch.setattr(_torch_ops, "_staged_fma", jax.jit(counted, inline=True))
-    staged = jax.jit(program).lower(*args).as_text()
+    monkeypatch.setattr(_torch_ops, "_fma_program", jax.jit(counted, inline=True))
+    staged = jax.jit(new_program()).lower(*args).as_text()
     assert calls == [(3,), ()]  # five calls, two shapes
-    # traced at every call instead (as outside jit): the same program, op for op
-    monkeypatch.setattr(_torch_ops, "_STAGED", type(None))
-    assert jax.jit(program).lower(*args).as_text() == staged
-    assert len(calls) == 2
+    # traced at every call instead: the same program, op for op
+    monkeypatch.setattr(_torch_ops, "_fma_program", counted)
+    assert jax.jit(new_program()).lower(*args).as_text() == staged
+    assert len(calls) == 7
 
 
 def test_rmsprop_momentum_zero_keeps_no_buffer():
