@@ -715,3 +715,46 @@ def test_the_default_over_a_torch_modules_parameters_takes_the_kernel_and_matche
     data = [(rng.standard_normal((16, 40)), rng.standard_normal((16, 1))) for _ in range(25)]
     report = assert_matches_torch(name, params, loss_fn=loss, data=data, rtol=1e-12, **config)
     assert report.steps == 25 and report.max_rel < 1e-12
+
+
+def test_a_cpu_step_traces_the_kernel_alone_and_an_export_for_another_platform_the_rule(monkeypatch):
+    # the rule stands beside the kernel for the platforms without it, but is traced only
+    # when a step is lowered for one of them: never for a CPU step; an export for the CPU
+    # and CUDA lowers both, and its CPU program is the kernel's, bit for bit the rule's
+    from jax import export
+
+    traced = []
+    rule_step = _fused.rule_step
+    monkeypatch.setattr(_fused, "rule_step", lambda *a, **k: traced.append(1) or rule_step(*a, **k))
+    params = {k: v for k, v in _params(jnp.float32).items() if k in ("w", "b", "s")}  # kernel leaves
+    grads = _grads(params, 1)
+    tx = fo.adam(lr=0.1, weight_decay=0.1)
+    fn = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    state = tx.init(params)
+    assert _kernel_calls(tx, params) == 1
+    assert traced == []
+    exported = export.export(
+        fn, platforms=("cpu", "cuda"), disabled_checks=[export.DisabledSafetyCheck.custom_call("fo_adam")]
+    )(params, grads, state)
+    assert traced  # for CUDA
+    assert "fo_adam" in exported.mlir_module()
+    rule = fo.adam(lr=0.1, weight_decay=0.1, fused=False)
+    _assert_same_bits(
+        exported.call(params, grads, state),
+        jax.jit(lambda p, g, s: fo.step(rule, p, g, s))(params, grads, rule.init(params)),
+    )
+
+
+def test_a_step_lowered_outside_the_settings_it_was_traced_under_lowers_as_traced():
+    # the kernel is traced when the step is lowered: under the settings of the step's own
+    # trace (float64 scalars stay float64 where x64 is off by then)
+    params = {k: v for k, v in _params(jnp.float64).items() if k != "none"}
+    for factory in (fo.sgd, fo.adam, fo.adagrad, rmsprop):
+        tx, rule = factory(lr=0.1, fused=True), factory(lr=0.1, fused=False)
+        traced = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s)).trace(params, params, tx.init(params))
+        with jax.enable_x64(False), jax.numpy_rank_promotion("allow"):
+            compiled = traced.lower().compile()
+        _assert_same_bits(
+            compiled(params, params, tx.init(params)),
+            jax.jit(lambda p, g, s: fo.step(rule, p, g, s))(params, params, rule.init(params)),
+        )
