@@ -101,9 +101,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     exp_avg = jnp.where(
         hp["lerp_small_weight"], start + weight * diff, end - diff * hp["lerp_one_minus_weight"]
     ).astype(dtype)
-    # decay_square(exp_avg_sq, grad, beta2)
+    # decay_square(exp_avg_sq, grad, beta2): the decayed moment rounded, then torch's
+    # addcmul, one rounding of the gradient's product and the add
     decayed_sq = (c(buffers["exp_avg_sq"]) * hp["beta2"]).astype(dtype)
-    exp_avg_sq = (c(decayed_sq) + hp["one_minus_beta2"] * c(grad) * c(grad)).astype(dtype)
+    exp_avg_sq = fma(hp["one_minus_beta2"] * c(grad), c(grad), c(decayed_sq)).astype(dtype)
     out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     lr, (beta1, beta2) = hp["lr"], hp["betas"]
     if static["differentiable"]:
@@ -111,7 +112,6 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # expressions above depends on the fusions around them (this branch's differ, and
         # so does the CPU: 1 ulp on AVX-512 machines), so here each is an exact fma
         exp_avg = lerp_fma(start, end, weight).astype(dtype)
-        exp_avg_sq = fma(hp["one_minus_beta2"] * c(grad), c(grad), c(decayed_sq)).astype(dtype)
         out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         return _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, static, out)
     # torch: scalars from ``step`` as a Python float, i.e. in double

@@ -203,7 +203,9 @@ FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __rest
     const T diff = gi - mi;
     const T nm = kSmall ? std::fma(c.w, diff, mi) : std::fma(-diff, c.w1, gi);
     m[i] = nm;
-    const T nv = std::fma(v[i], c.b2, c.omb2 * gi * gi);
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): the decayed moment
+    // rounded, then one rounding of the gradient's product and the add
+    const T nv = std::fma(c.omb2 * gi, gi, v[i] * c.b2);
     v[i] = nv;
     T second = nv;
     if (kAms) {

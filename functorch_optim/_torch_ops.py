@@ -263,11 +263,13 @@ def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
 
 
 def decay_square(exp_avg_sq: jax.Array, grad: jax.Array, beta2: Any) -> jax.Array:
-    """``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``, rounded per op."""
+    """``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``, rounded per op:
+    the decayed moment, then ``addcmul``'s one rounding (``fma``, not a contraction XLA
+    may pick for the decayed moment's product instead)."""
     dtype = exp_avg_sq.dtype
     c = caster(dtype)
     decayed = (c(exp_avg_sq) * c(beta2)).astype(dtype)
-    return (c(decayed) + c(1 - beta2) * c(grad) * c(grad)).astype(dtype)
+    return fma(c(1 - beta2) * c(grad), c(grad), c(decayed)).astype(dtype)
 
 
 def apply_weight_decay(
