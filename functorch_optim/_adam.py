@@ -94,25 +94,15 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         coupled = (c(grad) + hp["weight_decay"] * c(param)).astype(dtype)
         use = hp["use_weight_decay"]  # True where a nonzero number is compiled in
         grad = coupled if use is True else jnp.where(use, coupled, grad)
-    # lerp(exp_avg, grad, 1 - beta1): torch's two-branch CPU formula
-    start, end = c(buffers["exp_avg"]), c(grad)
-    diff = end - start
-    weight = hp["lerp_weight"]
-    exp_avg = jnp.where(
-        hp["lerp_small_weight"], start + weight * diff, end - diff * hp["lerp_one_minus_weight"]
-    ).astype(dtype)
-    # decay_square(exp_avg_sq, grad, beta2): the decayed moment rounded, then torch's
-    # addcmul, one rounding of the gradient's product and the add
+    # lerp(exp_avg, grad, 1 - beta1) and decay_square(exp_avg_sq, grad, beta2): torch's
+    # lerp_ and addcmul_ are FMAs on the CPU, each an exact ``fma`` here (whatever XLA
+    # would contract in the fusions around them)
+    exp_avg = lerp_fma(c(buffers["exp_avg"]), c(grad), hp["lerp_weight"]).astype(dtype)
     decayed_sq = (c(buffers["exp_avg_sq"]) * hp["beta2"]).astype(dtype)
     exp_avg_sq = fma(hp["one_minus_beta2"] * c(grad), c(grad), c(decayed_sq)).astype(dtype)
     out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     lr, (beta1, beta2) = hp["lr"], hp["betas"]
     if static["differentiable"]:
-        # torch's lerp_ and addcmul_ are FMAs on the CPU; whether XLA contracts the
-        # expressions above depends on the fusions around them (this branch's differ, and
-        # so does the CPU: 1 ulp on AVX-512 machines), so here each is an exact fma
-        exp_avg = lerp_fma(start, end, weight).astype(dtype)
-        out = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         return _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, static, out)
     # torch: scalars from ``step`` as a Python float, i.e. in double
     t = step_as_float(step, hp)

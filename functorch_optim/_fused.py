@@ -18,7 +18,8 @@ who cannot write this module) whose bytes match the recorded SHA-256. A library 
 missing or fails verification is not loaded: one ``RuntimeWarning`` says why, and every
 optimizer runs its jitted rule, as with ``fused=False``. On other backends (GPU, TPU),
 where XLA fuses the step by itself, and for parameter dtypes other than float32/float64,
-the ordinary jitted rule runs instead (``jax.lax.platform_dependent``).
+the ordinary jitted rule runs instead: each kernel call is one equation of the step
+(``kernel_or_rule``), lowered to the kernel for the CPU and to the rule for the others.
 """
 
 from __future__ import annotations
@@ -593,6 +594,16 @@ def _per_leaf(values: list[Any], absent: Any = None) -> Any:
     return jnp.stack([absent if v is None else v for v in values])
 
 
+def _counters(leaves: list[Leaf]) -> Any:
+    """The call's step counters (``_per_leaf``)."""
+    return _per_leaf([leaf[3] for leaf in leaves])
+
+
+def _active(leaves: list[Leaf]) -> Any:
+    """The call's "takes this step" flags (``grad_mask``; none: every parameter steps)."""
+    return _per_leaf([leaf[4] for leaf in leaves], absent=True)
+
+
 def _pick(x: Any, at: np.ndarray) -> Any:
     # a per-parameter vector's entries for one kernel call; a static value as it is
     return x if x is None or isinstance(x, int) else x[at]
@@ -609,14 +620,14 @@ def sgd_kernel(
     from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
     # only the momentum buffer's first step reads the counters (without a buffer the
     # state keeps none: ``_base.keeps_step``)
-    first = _per_leaf([leaf[3] for leaf in leaves]) + one == 1 if static["has_momentum"] else False
+    first = _counters(leaves) + one == 1 if static["has_momentum"] else False
     return _call(
         "fo_sgd",
         leaves,
         ["momentum_buffer"] if static["has_momentum"] else [],
         [hp["neg_lr"], hp["momentum"], hp["one_minus_dampening"], hp["weight_decay"]],
         [
-            _per_leaf([leaf[4] for leaf in leaves], absent=True),
+            _active(leaves),
             jnp.asarray(hp["use_weight_decay"]),
             first,
             jnp.asarray(hp["use_momentum"]),
@@ -640,7 +651,7 @@ def adam_kernel(
     parameter's own step, as the rule computes them."""
     c = caster(leaves[0][0].dtype)
     lr, (beta1, beta2) = hp["lr"], hp["betas"]
-    t = step_as_float(_per_leaf([leaf[3] for leaf in leaves]) + one, hp)
+    t = step_as_float(_counters(leaves) + one, hp)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
     scalars = [
@@ -655,7 +666,7 @@ def adam_kernel(
         -lr_over(lr, bias_correction1, static),
     ]
     flags = [
-        _per_leaf([leaf[4] for leaf in leaves], absent=True),
+        _active(leaves),
         jnp.asarray(hp["use_weight_decay"]),
         hp["lerp_small_weight"],
     ]
@@ -683,7 +694,7 @@ def adagrad_kernel(
     decayed rate ``lr / (1 + (step - 1) * lr_decay)`` from each parameter's own step, in
     the hyperparameters' dtype, as the rule computes it."""
     lr = hp["lr"]
-    t = step_as_float(_per_leaf([leaf[3] for leaf in leaves]) + one, hp)
+    t = step_as_float(_counters(leaves) + one, hp)
     clr = lr_over(lr, 1 + (t - 1) * hp["lr_decay"], static)
     wd = hp["weight_decay"]
     return _call(
@@ -692,7 +703,7 @@ def adagrad_kernel(
         ["sum"],
         [-clr, wd, hp["eps"]],
         [
-            _per_leaf([leaf[4] for leaf in leaves], absent=True),
+            _active(leaves),
             jnp.asarray(in_use(static, hp, "weight_decay")),
         ],
         window,
@@ -733,7 +744,7 @@ def rmsprop_kernel(
             hp["momentum"],
         ],
         [
-            _per_leaf([leaf[4] for leaf in leaves], absent=True),
+            _active(leaves),
             jnp.asarray(in_use(static, hp, "weight_decay")),
             jnp.asarray(use_momentum),
             jnp.abs(one_minus_alpha) < 0.5,

@@ -20,6 +20,7 @@ from flax import nnx
 from flax.training import train_state
 
 import functorch_optim as fo
+from functorch_optim._rmsprop import rmsprop_variant
 
 STEPS = 4
 SIZES = (3, 4, 2)  # in, hidden, out
@@ -299,3 +300,83 @@ def test_array_hyperparameters_are_not_shared_between_facades():
         opt.step()
         outs.append(opt.params["w"].tolist())
     assert outs == [[0.9, 0.9], [0.5, 0.5]]
+
+
+KERNEL_SIZES = (40, 30, 2)  # 1292 float64 elements: the default sends them to the kernel
+KERNEL_OPTIMIZERS = {
+    "sgd-momentum": lambda **k: fo.sgd(lr=0.1, momentum=0.9, weight_decay=0.01, **k),
+    "adamw": lambda **k: fo.adamw(lr=0.05, weight_decay=0.1, amsgrad=True, **k),
+    "adagrad": lambda **k: fo.adagrad(lr=0.1, lr_decay=0.01, **k),
+    # RMSprop has no fused argument (torch has none): the bench's variant picks the path
+    "rmsprop": lambda fused=None: rmsprop_variant(fused, lr=0.01, momentum=0.5, centered=True),
+}
+
+
+class _KernelNnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(KERNEL_SIZES[0], KERNEL_SIZES[1], rngs=rngs, param_dtype=jnp.float64)
+        self.l2 = nnx.Linear(KERNEL_SIZES[1], KERNEL_SIZES[2], rngs=rngs, param_dtype=jnp.float64)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+def _kernel_data():
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((8, KERNEL_SIZES[0])), rng.standard_normal((8, KERNEL_SIZES[-1]))
+
+
+def _counting_kernel_calls(monkeypatch):
+    # the kernel calls lowered (``_fused._call`` runs when a step lowers a kernel call)
+    from functorch_optim import _fused
+
+    calls = []
+    call = _fused._call
+    monkeypatch.setattr(_fused, "_call", lambda *a, **k: calls.append(a[0]) or call(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("name", list(KERNEL_OPTIMIZERS))
+def test_equinox_and_nnx_models_take_the_default_kernel_bit_for_bit(name, monkeypatch):
+    # the default's kernel under equinox's filter_jit and flax nnx's Optimizer (counters in
+    # nnx Variables), equal to the rule (fused=False) bit for bit over 6 steps
+    make = KERNEL_OPTIMIZERS[name]
+    x, y = _kernel_data()
+
+    def run_eqx(tx):
+        model = eqx.nn.MLP(*KERNEL_SIZES[:1], KERNEL_SIZES[-1], KERNEL_SIZES[1], 1, key=jax.random.PRNGKey(1))
+        model = jax.tree.map(lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, model)
+        state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def train_step(model, state):
+            grads = eqx.filter_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+            updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
+            return eqx.apply_updates(model, updates), state
+
+        for _ in range(6):
+            model, state = train_step(model, state)
+        return jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+
+    def run_nnx(tx):
+        model = _KernelNnxMLP(nnx.Rngs(1))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, optimizer):
+            grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, grads)
+
+        for _ in range(6):
+            train_step(model, optimizer)
+        return [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+    for run in (run_eqx, run_nnx):
+        calls = _counting_kernel_calls(monkeypatch)
+        kernel = run(make())
+        assert calls, run.__name__  # the default took the kernel
+        rule = run(make(fused=False))
+        assert len(kernel) == 4
+        for a, b in zip(kernel, rule):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        monkeypatch.undo()
