@@ -262,6 +262,12 @@ def _async_hint(param: jax.Array, elements: int) -> jax.Array:
     return jnp.maximum(np.arange(size).astype(np.uint8), flag)
 
 
+def _as(x: jax.Array, dtype: Any) -> jax.Array:
+    # ``x.astype(dtype)``, without its trace-time cost where it is the identity (a call
+    # over hundreds of gradients)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 def _call(
     target: str,
     leaves: list[Leaf],
@@ -280,10 +286,10 @@ def _call(
     params = [leaf[0] for leaf in leaves]
     buffers = [leaf[2][n] for n in names for leaf in leaves]
     if window is None:
-        grads = [leaf[1].astype(dtype) for leaf in leaves]
+        grads = [_as(leaf[1], dtype) for leaf in leaves]
     else:
         # a parameter without a gradient in this call gets a one-element stand-in
-        grads = [jnp.zeros((1,), dtype) if leaf[1] is None else leaf[1].astype(dtype) for leaf in leaves]
+        grads = [jnp.zeros((1,), dtype) if leaf[1] is None else _as(leaf[1], dtype) for leaf in leaves]
         has_grad = window.present
         if has_grad is None:
             has_grad = np.asarray([leaf[1] is not None for leaf in leaves])

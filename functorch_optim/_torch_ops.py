@@ -249,10 +249,13 @@ def lerp_formula(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
 
 def lerp_fma(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
     """``lerp_formula`` with each branch one exact fused multiply-add, as torch's CPU
-    kernel computes it: ``fma(weight, diff, start)`` or ``fma(-diff, 1 - weight, end)``."""
+    kernel computes it (``lerp_vec``): ``fma(coeff, diff, base)`` with ``weight`` and
+    ``start`` where ``|weight| < 0.5``, else ``weight - 1`` (``-(1 - weight)``, the same
+    rounding) and ``end``: one FMA an element, not both branches and a select."""
     diff = end - start
-    weight = jnp.broadcast_to(jnp.asarray(weight, start.dtype), start.shape)
-    return jnp.where(jnp.abs(weight) < 0.5, fma(weight, diff, start), fma(-diff, 1 - weight, end))
+    weight = jnp.asarray(weight, start.dtype)
+    small = jnp.abs(weight) < 0.5
+    return fma(jnp.where(small, weight, -(1 - weight)), diff, jnp.where(small, start, end))
 
 
 def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:

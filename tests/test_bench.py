@@ -215,6 +215,36 @@ def test_round_robin_times_every_contender_after_changing_neighbours():
     assert [tuple(calls[i : i + 10][0::2]) for i in range(0, len(calls), 10)] == orders
 
 
+def test_round_robin_samples_fill_the_minimum_sample_time(monkeypatch):
+    # a sample of a short step is the mean of consecutive calls that fill min_sample_s
+    # (by the last warm-up call's time, at most 64); one call where prepare must precede
+    from functorch_optim import _bench
+    from functorch_optim._bench import Contender, time_round_robin
+
+    clock = [0.0]
+    monkeypatch.setattr(_bench.time, "perf_counter", lambda: clock[0])
+    calls = {"short": 0, "long": 0, "tiny": 0, "prepared": 0}
+
+    def step(name, seconds):
+        def run():
+            calls[name] += 1
+            clock[0] += seconds
+
+        return run
+
+    contenders = [
+        Contender("short", step("short", 0.001)),
+        Contender("long", step("long", 0.02)),
+        Contender("tiny", step("tiny", 1e-6)),
+        Contender("prepared", step("prepared", 0.001), prepare=lambda: None),
+    ]
+    timings = time_round_robin(contenders, reps=3, warmup=2, settle=1, min_sample_s=0.005)
+    # warm-up 2, then per rep one settling call and a sample of 5, 1, 64 and 1 calls
+    assert calls == {"short": 2 + 3 * 6, "long": 2 + 3 * 2, "tiny": 2 + 3 * 65, "prepared": 2 + 3 * 2}
+    assert timings["short"]["median_s"] == pytest.approx(0.001)
+    assert timings["tiny"]["median_s"] == pytest.approx(1e-6)
+
+
 def test_torch_compile_is_timed_with_a_fresh_inductor_cache(monkeypatch):
     # a cache left by an earlier run would make torch.compile's "compile time" a cache hit
     import os
