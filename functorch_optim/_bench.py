@@ -1,7 +1,8 @@
 """Optimizer-step benchmark: functorch_optim next to optax (jit, donated) and torch (foreach, fused).
 
 ``python -m functorch_optim bench`` (or ``python benchmarks/bench.py``) times, in one run
-and interleaved round-robin so that machine load hits every contender alike:
+and interleaved round-robin so that machine load hits every contender alike (a sample:
+the mean of consecutive calls filling ``MIN_SAMPLE_S``):
 
 * **steps**: SGD (momentum 0.9, weight decay 1e-4), Adam and Adagrad, and with default
   arguments besides ``lr`` plain SGD (``sgd_plain``), AdamW and RMSprop, float32, at 1M / 10M / 50M
@@ -16,7 +17,8 @@ and interleaved round-robin so that machine load hits every contender alike:
   layout with ``fused=True``);
 * **peak memory** of each jitted step, from XLA's buffer assignment
   (arguments + outputs - aliased + temporaries), in units of the parameters' size;
-* **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves;
+* **compile**: trace + compile time of the step for 10 / 100 / 1000 leaves (the median
+  of ``compile_rounds`` compiles);
 * **train**: the whole training step (forward + backward + AdamW) of a 200-leaf MLP and a
   12-layer, 150-leaf transformer, with functorch_optim, optax and torch
   (``functorch_optim._bench_train``); ``--sections train --quick`` runs it alone, small.
