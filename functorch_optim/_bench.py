@@ -87,6 +87,8 @@ QUICK_CASES = ((100_000, 1), (100_000, 20), (10_000, 10))
 FULL_COMPILE_LEAVES = (10, 100, 1000)
 QUICK_COMPILE_LEAVES = (10, 30)
 ACCUMULATE_EVERY = 4
+#: A step-time sample lasts at least this long (``time_round_robin``).
+MIN_SAMPLE_S = 0.005
 #: ``every`` for a window that never closes: every call is a micro-step
 NEVER = 2**30
 
@@ -649,9 +651,6 @@ def accumulate_contenders(
     return out
 
 
-#: A step-time sample lasts at least this long (``time_round_robin``).
-MIN_SAMPLE_S = 0.005
-
 #: The compile section's default-argument rows: name -> (functorch_optim's optimizer,
 #: optax's closest construction).
 DEFAULT_COMPILE_PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
@@ -1001,9 +1000,9 @@ def markdown(result: dict[str, Any]) -> str:
         rounds = {r["leaves"]: r.get("rounds", 1) for r in result["compile"]}
         lines += [
             "",
-            "Each cell is the median of "
-            + ", ".join(f"{n} compile{'s' if n > 1 else ''} at {k} leaves" for k, n in rounds.items())
-            + " (fresh optimizers for each).",
+            "Compiles per cell (fresh optimizers for each): "
+            + ", ".join(f"{k} leaves {'one' if n == 1 else f'the median of {n}'}" for k, n in rounds.items())
+            + ".",
         ]
         lines.append("")
     checks = targets(result)
