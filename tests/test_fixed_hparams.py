@@ -183,28 +183,6 @@ def _restored(state, **values):
     )
 
 
-def _compiled_rule_text(tx, n_leaves):
-    params = {f"p{i}": jnp.linspace(-1.0, 1.0, 50, dtype=jnp.float32) + i for i in range(n_leaves)}
-    f = jax.jit(functools.partial(fo.step, tx), donate_argnums=(0, 2))
-    return f.lower(params, params, tx.init(params)).compile().as_text()
-
-
-def test_the_guard_is_computed_once_per_step():
-    """The check (a compare per fixed value, an or) is one scalar kernel, not part of
-    every parameter's loop: before, XLA copied it into each loop that reads ``lr``
-    (``fixed_guard``: plain SGD's rule over 1000 parameters compiled in 1.1 s, 0.8 s)."""
-    tx = fo.sgd(lr=0.1, fused=False)
-    texts = {n: _compiled_rule_text(tx, n) for n in (3, 6)}
-    compares = [len(re.findall(r"\bcompare\(", t)) for t in texts.values()]
-    assert compares[0] == compares[1] == 2, compares  # weight_decay and momentum, once
-    # each parameter's loop reads its param, its gradient and one scalar: -lr
-    entry = texts[6][texts[6].index("\nENTRY ") :]
-    loops = [line for line in entry.splitlines() if " = f32[50]{0} fusion(" in line]
-    assert len(loops) == 6
-    for line in loops:
-        assert len(line.split("fusion(", 1)[1].split(")", 1)[0].split(", ")) == 3, line
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["rule", "kernel"])
 @pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "rmsprop", "nadam"])
 def test_a_restored_nonzero_weight_decay_steps_to_nan(name, fused):
