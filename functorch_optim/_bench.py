@@ -164,12 +164,57 @@ def time_round_robin(
                 c.run()
             times[c.name].append((time.perf_counter() - t0) / n)
     out = {}
-    for name, ts in times.items():
-        ts = sorted(ts)
+    for name, samples in times.items():
+        ts = sorted(samples)
         med = statistics.median(ts)
         q1, q3 = np.percentile(ts, [25, 75])
-        out[name] = {"median_s": med, "min_s": ts[0], "spread": float((q3 - q1) / med)}
+        # ``samples_s`` in rep order: the samples of one rep were taken within the same
+        # second, under the same load (``paired_ratio``)
+        out[name] = {"median_s": med, "min_s": ts[0], "spread": float((q3 - q1) / med), "samples_s": samples}
     return out
+
+
+#: The coverage of ``median_interval``'s interval.
+CONFIDENCE = 0.95
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free ``confidence`` interval for the median of the distribution
+    ``values`` were drawn from (independently): the order statistics ``x(k)`` and
+    ``x(n + 1 - k)`` with the largest ``k`` whose coverage, ``1 - 2 P(B < k)`` for ``B``
+    binomial(n, 1/2), is at least ``confidence``. None where ``n`` is too small for any
+    (fewer than 6 values at 95 %)."""
+    xs = sorted(values)
+    n = len(xs)
+    below = 0.0  # P(B < k), k = 1, 2, ...
+    best = None
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1) / 2**n
+        if 1 - 2 * below < confidence:
+            break
+        best = k
+    if best is None:
+        return None
+    return xs[best - 1], xs[n - best]
+
+
+def paired_ratio(timings: dict[str, dict], a: str, b: str) -> dict[str, Any] | None:
+    """``a``'s step time over ``b``'s, one ratio per rep (``time_round_robin`` times every
+    contender once per rep, in the same second): the median ratio and its
+    ``median_interval``. A slowdown of the whole machine during a rep (another
+    process, memory traffic of a neighbour) moves both samples of the rep, and cancels in
+    its ratio, where it moves one median of the two in a ratio of medians. None where
+    either has no samples."""
+    if a not in timings or b not in timings:
+        return None
+    ratios = [x / y for x, y in zip(timings[a]["samples_s"], timings[b]["samples_s"], strict=True)]
+    interval = median_interval(ratios)
+    return {
+        "median": statistics.median(ratios),
+        "low": None if interval is None else interval[0],
+        "high": None if interval is None else interval[1],
+        "reps": len(ratios),
+    }
 
 
 def peak_memory_units(compiled: Any, param_bytes: int) -> float | None:
@@ -493,6 +538,10 @@ def bench_steps(
             "fo fused=False/optax": _ratio(t, "fo fused=False", "optax"),
             "fo fused=False/torch fused": _ratio(t, "fo fused=False", "torch fused"),
         }
+        row["paired"] = {
+            "fo/optax": paired_ratio(timings, "functorch_optim", "optax"),
+            "fo fused=False/optax": paired_ratio(timings, "fo fused=False", "optax"),
+        }
         rows.append(row)
         del contenders, grads
         gc.collect()
@@ -793,6 +842,15 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             [(label(r), ratio(r, pick(r), "optax")) for r in steps],
             1.0,
         )
+    # the same comparison against the noise: the lower end of each row's interval for its
+    # per-rep ratio (``paired_ratio``); above 1, the row is slower beyond the spread
+    for layout, key in (("tree, default", "fo/optax"), ("tree, fused=False", "fo fused=False/optax")):
+        add(
+            f"0. step / optax, paired per rep: low end of the {CONFIDENCE:.0%} interval",
+            layout,
+            [(label(r), (r.get("paired", {}).get(key) or {}).get("low")) for r in steps],
+            1.0,
+        )
     for layout, pick in (
         ("tree, fused=True", lambda r: "fo fused"),
         ("best: flat if > 1 leaf, fused=True", best),
@@ -944,6 +1002,33 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_fmt(r['gbps'].get('fo fused'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
                 f"| {pct('functorch_optim')} | {pct('fo fused')} | {pct('optax')} | {pct('torch fused')} "
                 f"| {_fmt(m.get('functorch_optim'))} | {_fmt(m.get('fo fused'))} | {_fmt(m.get('optax'))} |"
+            )
+        lines.append("")
+    paired = [r for r in steps if any(r.get("paired", {}).values())]
+    if paired:
+        cell = lambda q: (
+            "—"
+            if not q
+            else f"{_fmt(q['median'])} ({_fmt(q['low'])}–{_fmt(q['high'])})"
+            if q["low"] is not None
+            else _fmt(q["median"])
+        )
+        lines += [
+            f"### Step / optax, paired per rep (median of the per-rep ratios, its {CONFIDENCE:.0%} interval)",
+            "",
+            "Each rep times every contender once, within about a second: a rep's ratio cancels "
+            "what slows the whole machine during it. An interval above 1: slower than optax "
+            "beyond the noise; below 1: faster; across 1: not told apart by this run.",
+            "",
+            "| step | params | leaves | reps | functorch_optim / optax | fo fused=False / optax |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in paired:
+            q = r["paired"]
+            reps = next(v["reps"] for v in q.values() if v)
+            lines.append(
+                f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} | {reps} "
+                f"| {cell(q.get('fo/optax'))} | {cell(q.get('fo fused=False/optax'))} |"
             )
         lines.append("")
     if result.get("accumulate"):

@@ -160,7 +160,9 @@ def test_torch_follows_jax_onto_its_device(monkeypatch):
 def test_targets_check_the_default_and_the_jitted_rule_against_optax_on_every_step_row(result):
     from functorch_optim._bench import targets
 
-    found = {t["layout"]: t for t in targets(result["json"]) if t["target"].startswith("0. step / optax")}
+    found = {
+        t["layout"]: t for t in targets(result["json"]) if t["target"] == "0. step / optax (every step row)"
+    }
     assert set(found) == {"tree, default", "tree, fused=False"}
     for layout, name in (("tree, default", "functorch_optim"), ("tree, fused=False", "fo fused=False")):
         rows = [r for k in STEP_KINDS for r in result["json"][k]]
@@ -168,6 +170,84 @@ def test_targets_check_the_default_and_the_jitted_rule_against_optax_on_every_st
         assert found[layout]["worst"] == pytest.approx(worst)
         assert found[layout]["holds"] == (worst <= 1.0)
     assert "0. step / optax (every step row)" in result["md"]
+
+
+def test_median_interval_is_the_order_statistics_with_the_binomial_coverage():
+    import numpy as np
+
+    from functorch_optim._bench import median_interval
+
+    xs = [float(x) for x in range(15, 0, -1)]
+    # n = 15: x(4) and x(12), coverage 1 - 2 P(B <= 3) = 0.965 (x(5), x(11): 0.882)
+    assert median_interval(xs) == (4.0, 12.0)
+    assert median_interval(xs[:6]) == (10.0, 15.0)  # n = 6: the extremes, coverage 0.969
+    assert median_interval(xs[:5]) is None  # n = 5: the extremes cover only 0.9375
+    # the coverage it claims, on samples of a skewed distribution whose median is 1
+    rng = np.random.default_rng(0)
+    inside = [lo <= 1.0 <= hi for lo, hi in (median_interval(rng.lognormal(0, 0.5, 15)) for _ in range(4000))]
+    assert 0.95 <= np.mean(inside) <= 0.98
+
+
+def test_paired_ratio_cancels_what_slows_a_whole_rep():
+    import numpy as np
+
+    from functorch_optim._bench import paired_ratio
+
+    # the machine slows down by up to 3x from rep to rep; "a" is always 1.1x "b"
+    load = np.random.default_rng(1).uniform(1.0, 3.0, 15)
+    timings = {"a": {"samples_s": list(1.1e-3 * load)}, "b": {"samples_s": list(1e-3 * load)}}
+    q = paired_ratio(timings, "a", "b")
+    assert q["reps"] == 15
+    assert (
+        q["median"] == pytest.approx(1.1)
+        and q["low"] == pytest.approx(1.1)
+        and q["high"] == pytest.approx(1.1)
+    )
+    # medians of unpaired samples taken under that load could not tell 1.1 from 1
+    shuffled = {"a": timings["a"], "b": {"samples_s": list(1e-3 * load[::-1])}}
+    spread = paired_ratio(shuffled, "a", "b")
+    assert spread["low"] < 1.0 < spread["high"]
+    assert paired_ratio(timings, "a", "missing") is None
+
+
+def test_paired_ratios_reach_the_rows_targets_and_report():
+    from functorch_optim._bench import markdown, targets
+
+    row = {
+        "algorithm": "sgd",
+        "params": 10**6,
+        "leaves": 1,
+        "times_ms": {"functorch_optim": 1.0, "fo fused=False": 1.2, "optax": 1.1},
+        "fraction_of_ceiling": {},
+        "gbps": {},
+        "ceiling_gbps": 1.0,
+        "memory_x_params": {},
+        "ratios": {"fo/torch fused": None},
+        "paired": {
+            "fo/optax": {"median": 0.9, "low": 0.85, "high": 0.95, "reps": 15},
+            "fo fused=False/optax": {"median": 1.08, "low": 1.02, "high": 1.12, "reps": 15},
+        },
+    }
+    found = {
+        t["layout"]: t for t in targets({"sgd": [row]}) if t["target"].startswith("0. step / optax, paired")
+    }
+    assert found["tree, default"]["worst"] == 0.85 and found["tree, default"]["holds"]
+    assert found["tree, fused=False"]["worst"] == 1.02 and not found["tree, fused=False"]["holds"]
+    meta = {
+        "machine": "m",
+        "jax": "j",
+        "optax": "o",
+        "torch": "t",
+        "reps": 15,
+        "load_before": 1,
+        "load_after": 1,
+    }
+    md = markdown({"sgd": [row], "meta": {**meta, "wall_s": 1.0}})
+    assert "| sgd | 1M | 1 | 15 | 0.90 (0.85–0.95) | 1.08 (1.02–1.12) |" in md
+    # a result written before the pairing: no such table, no such target
+    del row["paired"]
+    assert "paired per rep" not in markdown({"sgd": [row], "meta": {**meta, "wall_s": 1.0}})
+    assert not [t for t in targets({"sgd": [row]}) if "paired" in t["target"]]
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adagrad", "sgd_plain", "adamw", "rmsprop"])
