@@ -10,7 +10,9 @@ the mean of consecutive calls filling ``MIN_SAMPLE_S``):
   (``jax.jit(fo.step)``, params and state donated), optax (jit, donated), torch
   ``foreach=True`` and ``fused=True``; each row also times the in-place bandwidth
   ceiling ``a += s * b`` (JAX, donated, and torch ``add_``) on the same number of
-  elements, and reports GB/s and the fraction of that ceiling;
+  elements, and reports GB/s and the fraction of that ceiling; the default and the
+  jitted rule are also compared with optax rep by rep (``paired_ratio``: the median
+  per-rep ratio and a 95 % interval for it);
 * **accumulate**: a ``grad_accumulate`` micro-step next to a bare jitted ``acc + g``,
   ``optax.MultiSteps`` and torch's ``grad.add_``, and the call that closes a window next
   to a plain step, in three layouts (the tree with the plain rule, the tree and the flat
@@ -168,8 +170,8 @@ def time_round_robin(
         ts = sorted(samples)
         med = statistics.median(ts)
         q1, q3 = np.percentile(ts, [25, 75])
-        # ``samples_s`` in rep order: the samples of one rep were taken within the same
-        # second, under the same load (``paired_ratio``)
+        # ``samples_s`` in rep order: the samples of one rep are taken one after another,
+        # within a second or a few, under much the same load (``paired_ratio``)
         out[name] = {"median_s": med, "min_s": ts[0], "spread": float((q3 - q1) / med), "samples_s": samples}
     return out
 
@@ -200,7 +202,7 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
 
 def paired_ratio(timings: dict[str, dict], a: str, b: str) -> dict[str, Any] | None:
     """``a``'s step time over ``b``'s, one ratio per rep (``time_round_robin`` times every
-    contender once per rep, in the same second): the median ratio and its
+    contender once per rep, one after another): the median ratio and its
     ``median_interval``. A slowdown of the whole machine during a rep (another
     process, memory traffic of a neighbour) moves both samples of the rep, and cancels in
     its ratio, where it moves one median of the two in a ratio of medians. None where
@@ -1016,7 +1018,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             f"### Step / optax, paired per rep (median of the per-rep ratios, its {CONFIDENCE:.0%} interval)",
             "",
-            "Each rep times every contender once, within about a second: a rep's ratio cancels "
+            "Each rep times every contender once, one after another: a rep's ratio cancels "
             "what slows the whole machine during it. An interval above 1: slower than optax "
             "beyond the noise; below 1: faster; across 1: not told apart by this run.",
             "",
