@@ -12,7 +12,7 @@ import optax
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_weight_decay
 from functorch_optim._hyperparams import fixed
-from functorch_optim._torch_ops import op_casts, signed_grad, zero_buffers
+from functorch_optim._torch_ops import decay_square, op_casts, signed_grad, zero_buffers
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -45,8 +45,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
 
     g = effective_grad(param, grad)
     # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)
-    square_avg = r(c(buffers["square_avg"]) * c(rho))
-    square_avg = r(c(square_avg) + c(1 - rho) * c(g) * c(g))
+    # (the decayed average stored, addcmul one FMA: ``decay_square``)
+    square_avg = decay_square(buffers["square_avg"], g, rho)
     # One pass over memory per written array (square_avg, acc_delta, the parameter), each
     # recomputing the delta from fresh reads: the barriers stop XLA from materializing
     # the decayed gradient and both square roots for all passes (three parameter-sized
@@ -56,8 +56,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     fresh = (param, grad, square_avg, buffers["acc_delta"])
     # acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho)
     d = delta(*jax.lax.optimization_barrier(fresh))
-    acc_delta = r(c(buffers["acc_delta"]) * c(rho))
-    acc_delta = r(c(acc_delta) + c(1 - rho) * c(d) * c(d))
+    acc_delta = decay_square(buffers["acc_delta"], d, rho)
     # param.add_(delta, alpha=-lr); a barrier of its own (not merged with the one above)
     d = delta(*jax.lax.optimization_barrier((*fresh, acc_delta))[:4])
     new_param = r(c(param) + a(-hp["lr"]) * c(d))

@@ -35,6 +35,7 @@ from functorch_optim._torch_ops import (
     rdiv,
     signed_grad,
     step_as_float,
+    stored,
     torch_lr,
 )
 
@@ -72,7 +73,7 @@ def _prepare(hp: Mapping[str, Any], dtype: Any, static: Mapping[str, Any]) -> di
     }
     if static["decoupled_weight_decay"]:
         # param.mul_(1 - lr * weight_decay), a multiply by exactly 1 without decay (as
-        # apply_weight_decay: one multiply in every context, so XLA contracts it alike)
+        # apply_weight_decay: stored, one rounding before the update is added)
         # (with a tensor lr, ``1 - lr * weight_decay`` is a 0-d tensor of its dtype)
         out["param_decay"] = c(jnp.where(wd != 0, lr_decay_factor(lr, wd, static), 1))
     else:
@@ -87,7 +88,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     c = caster(dtype)
     grad = signed_grad(grad, dtype, static["maximize"])
     if static["decoupled_weight_decay"]:  # apply_weight_decay(..., decoupled=True)
-        param = (c(param) * hp["param_decay"]).astype(dtype)
+        param = stored(c(param) * hp["param_decay"]).astype(dtype)
     elif fixed(static, "weight_decay") != "zero":  # apply_weight_decay(..., decoupled=False)
         # (built with weight_decay=0, a number: torch's branch is decided here, and no
         # moment pass reads the param)

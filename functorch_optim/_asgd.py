@@ -12,7 +12,7 @@ import optax
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_lr, check_weight_decay, tensor_lr_dtype
 from functorch_optim._hyperparams import fixed
-from functorch_optim._torch_ops import op_casts, rounded_product, signed_grad, torch_lr
+from functorch_optim._torch_ops import fma, op_casts, rounded_product, signed_grad, stored, torch_lr
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype
 #: (``_get_scalar_dtype()``), float32 unless ``torch.set_default_dtype`` changed it,
@@ -46,12 +46,13 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     eta_value = jax.lax.stop_gradient(eta).astype(hdt)
     if fixed(static, "weight_decay") != "zero":  # built with the number 0: no param read
         grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
-    # param.mul_(1 - lambd * eta_value); param.add_(grad, alpha=-eta_value)
+    # param.mul_(1 - lambd * eta_value) stored; param.add_(grad, alpha=-eta_value) one FMA
+    # (left to XLA, the decayed parameter's product was the one contracted)
     new_param = r(c(param) * c(1 - lambd * eta_value))
-    new_param = r(c(new_param) + a(-eta_value) * c(grad))
-    # ax.add_(param.sub(ax).mul_(mu)) when mu != 1, else ax.copy_(param)
+    new_param = r(fma(c(grad), a(-eta_value), c(new_param)))
+    # ax.add_(param.sub(ax).mul_(mu)) when mu != 1, else ax.copy_(param): the product stored
     ax = buffers["ax"]
-    averaged = r(c(ax) + c(r(c(r(c(new_param) - c(ax))) * c(mu))))
+    averaged = r(c(ax) + c(r(stored(c(r(c(new_param) - c(ax))) * c(mu)))))
     new_ax = jnp.where(mu != 1, averaged, new_param)
     # torch computes both from ``step`` as a Python float, then stores them as float32
     step_f = step.astype(hdt)

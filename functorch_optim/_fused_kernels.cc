@@ -9,8 +9,10 @@
 // Numerics: each element goes through exactly the operations of the jitted rule
 // (functorch_optim/_sgd.py, _adam.py, _adagrad.py, _rmsprop.py) in the same order and dtype. XLA's CPU code
 // generator contracts a multiply feeding an add into one fused multiply-add, so the same
-// places use ``std::fma`` here; the file is compiled with ``-ffp-contract=off`` so that no
-// other contraction happens. Scalars (learning rate, bias corrections, flags) are
+// places use ``std::fma`` here (torch's own FMAs: ``addcmul``, ``lerp``, ``add(alpha=)``);
+// a product torch stores before adding it (``mul_``) the rule stores too, and it is
+// rounded here as well. The file is compiled with ``-ffp-contract=off`` so that no other
+// contraction happens. Scalars (learning rate, bias corrections, flags) are
 // computed by the jitted code and passed in as small arrays, so changing them never
 // recompiles anything.
 //
@@ -172,7 +174,8 @@ FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restr
     T gi = StepGrad<T, kWindow, kHasG, kMean>(i, g, acc, w) * sign;
     if (kWd) gi = std::fma(wd, pi, gi);
     if (kUse) {
-      const T nb = first ? gi : std::fma(buf[i], mom, damp1 * gi);
+      // buf.mul_(momentum).add_(grad, alpha=1 - dampening): the product rounded, one FMA
+      const T nb = first ? gi : std::fma(gi, damp1, buf[i] * mom);
       buf[i] = nb;
       gi = nesterov ? std::fma(mom, nb, gi) : nb;
     }
@@ -214,8 +217,8 @@ FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __rest
     }
     const T denom = std::fma(std::sqrt(second), c.inv_bc2s, c.eps);
     const T update = (c.neg_ss * nm) / denom;
-    // decoupled decay: XLA contracts ``param * (1 - lr * wd) + update``
-    p[i] = kDecay ? std::fma(pi, c.decay, update) : pi + update;
+    // decoupled decay: param.mul_(1 - lr * wd) rounds, then the update is added
+    p[i] = (kDecay ? pi * c.decay : pi) + update;
   }
 }
 
@@ -267,8 +270,8 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
     }
     const T denom = std::sqrt(second) + c.eps;
     if (kMom) {
-      // buf.mul_(momentum).addcdiv_(grad, avg): XLA contracts the product into the add
-      const T nb = std::fma(mb[i], c.mom, gi / denom);
+      // buf.mul_(momentum).addcdiv_(grad, avg): the product rounded, then the add
+      const T nb = mb[i] * c.mom + gi / denom;
       mb[i] = nb;
       p[i] = std::fma(nb, c.neg_lr, pi);
     } else {

@@ -13,7 +13,7 @@ from functorch_optim._base import Algorithm, changeable, make_optimizer
 from functorch_optim._checks import check_fused_flags
 from functorch_optim._fused import fused_algorithm, sgd_kernel
 from functorch_optim._hyperparams import fixed, in_use, to_python
-from functorch_optim._torch_ops import caster, signed_grad
+from functorch_optim._torch_ops import caster, fma, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -79,9 +79,11 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         g = effective_grad(param, grad)
         momentum = hp["momentum"]
         buf = buffers["momentum_buffer"]
-        # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening), each op rounded
+        # torch: buf.mul_(momentum).add_(grad, alpha=1 - dampening): the product stored,
+        # then add(alpha=) one FMA (``fma`` stores its addend; left to XLA, the add took
+        # the other product: buf * momentum contracted, the gradient's product rounded)
         decayed = (c(buf) * momentum).astype(dtype)
-        new_buf = (c(decayed) + hp["one_minus_dampening"] * c(g)).astype(dtype)
+        new_buf = fma(c(g), hp["one_minus_dampening"], c(decayed)).astype(dtype)
         # torch creates the buffer on the first step with momentum != 0, seeded with the
         # raw gradient (no dampening); ``step`` counts those steps: 1 = the buffer is new
         new_buf = jnp.where(step == 1, g, new_buf)

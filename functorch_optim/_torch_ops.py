@@ -141,7 +141,9 @@ def cpu_contracts_fma(dtype: Any) -> bool:
 @functools.cache
 def _probe_contraction(dtype: np.dtype) -> bool:
     try:
-        cpu = jax.devices("cpu")[0]
+        # this process's own CPU device: in a multi-process run ``jax.devices()[0]`` may be
+        # another process's, and a program put there waits for that process to join it
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return False
     eps = np.finfo(dtype).eps
@@ -292,10 +294,10 @@ def apply_weight_decay(
     if not decoupled and fixed(static or {}, "weight_decay") == "zero":
         return param, grad
     if decoupled:
-        # ``* 1`` is exact: one multiply either way, so XLA contracts it the same way into
-        # what follows (an FMA), whatever the surrounding selects
+        # ``* 1`` is exact; ``mul_`` stores its product (``stored``: XLA would contract it
+        # into the update's add in some lanes of a loop and not in others)
         factor = jnp.where(weight_decay != 0, lr_decay_factor(lr, weight_decay, static or {}), 1)
-        return (c(param) * c(factor)).astype(dtype), grad
+        return stored(c(param) * c(factor)).astype(dtype), grad
     coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
     return param, jnp.where(weight_decay != 0, coupled, grad)
 

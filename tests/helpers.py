@@ -129,6 +129,27 @@ def run_torch(
     return final, buffers
 
 
+def run_jitted(tx: Any, params: Any, grads: Sequence[Any]) -> tuple[Any, Any]:
+    """``tx`` over a gradient stream, one jitted ``fo.step`` per gradient: ``(params, state)``."""
+    import functorch_optim as fo
+
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    state = tx.init(params)
+    for g in grads:
+        params, state = step(params, g, state)
+    return params, state
+
+
+def assert_bitwise_equal(mine: Any, theirs: Any) -> None:
+    """Every leaf of ``mine`` equals ``theirs``'s (same structure) bit for bit; the message
+    names the first differing path and how many elements differ."""
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(mine)[0], jax.tree.leaves(theirs), strict=True
+    ):
+        x, y = np.asarray(x), np.asarray(y)
+        assert np.array_equal(x, y), (jax.tree_util.keystr(path), int(np.sum(x != y)))
+
+
 def numpy_per_leaf(
     params: Any,
     grads: Sequence[Any],

@@ -21,7 +21,18 @@ import torch
 
 import functorch_optim as fo
 from functorch_optim._registry import get_spec
-from tests.helpers import TREE_SHAPES, grad_stream, make_tree, numpy_per_leaf, rel_err, to_jax, zero_ness
+from tests.helpers import (
+    TREE_SHAPES,
+    assert_bitwise_equal,
+    grad_stream,
+    make_tree,
+    numpy_per_leaf,
+    rel_err,
+    run_jitted,
+    run_torch,
+    to_jax,
+    zero_ness,
+)
 
 ALGOS = ("adagrad", "adadelta", "rmsprop", "rprop", "asgd")
 STEPS = 50
@@ -768,6 +779,23 @@ def test_asgd_keeps_eta_and_mu_in_torch_default_dtype():
         torch.set_default_dtype(previous)
     # the quirk is measurable: a float64 eta ends 1e-10-ish away
     assert rel_err(p, ref64) > 1e-12
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_asgd_equals_torch_bit_for_bit(dtype):
+    # param.mul_(1 - lambd * eta) is stored and add_(grad, alpha=-eta) is one FMA, and
+    # ax.add_(param.sub(ax).mul_(mu)) stores its product: left to XLA, the decayed
+    # parameter's product was contracted into the add (27% of the elements an ulp off
+    # after one step) and mu's product into the average's. "k" has rows of 7.
+    rng = np.random.default_rng(8)
+    params = {"b": rng.standard_normal(4099).astype(dtype), "k": rng.standard_normal((37, 7)).astype(dtype)}
+    grads = [{k: rng.standard_normal(v.shape).astype(dtype) for k, v in params.items()} for _ in range(12)]
+    config = {"lr": 0.01, "lambd": 1e-3, "t0": 3.0, "weight_decay": 0.01}
+    ref, ref_buffers = run_torch(
+        lambda ts: torch.optim.ASGD(ts, foreach=False, **config), params, grads, ["ax"]
+    )
+    mine, state = run_jitted(fo.asgd(**config), params, grads)
+    assert_bitwise_equal((mine, state.ax), (ref, ref_buffers["ax"]))
 
 
 # --------------------------------------------------------------------------- errors
