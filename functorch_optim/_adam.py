@@ -33,9 +33,9 @@ from functorch_optim._torch_ops import (
     lr_decay_factor,
     lr_over,
     rdiv,
+    rounded_product,
     signed_grad,
     step_as_float,
-    stored,
     torch_lr,
 )
 
@@ -88,7 +88,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     c = caster(dtype)
     grad = signed_grad(grad, dtype, static["maximize"])
     if static["decoupled_weight_decay"]:  # apply_weight_decay(..., decoupled=True)
-        param = stored(c(param) * hp["param_decay"]).astype(dtype)
+        param = rounded_product(c(param), hp["param_decay"]).astype(dtype)
     elif fixed(static, "weight_decay") != "zero":  # apply_weight_decay(..., decoupled=False)
         # (built with weight_decay=0, a number: torch's branch is decided here, and no
         # moment pass reads the param)

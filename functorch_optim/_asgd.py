@@ -12,7 +12,7 @@ import optax
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_lr, check_weight_decay, tensor_lr_dtype
 from functorch_optim._hyperparams import fixed
-from functorch_optim._torch_ops import fma, op_casts, rounded_product, signed_grad, stored, torch_lr
+from functorch_optim._torch_ops import fma, op_casts, rounded_product, signed_grad, torch_lr
 
 #: torch keeps ``eta`` and ``mu`` as 0-d tensors of its *default* dtype
 #: (``_get_scalar_dtype()``), float32 unless ``torch.set_default_dtype`` changed it,
@@ -52,7 +52,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     new_param = r(fma(c(grad), a(-eta_value), c(new_param)))
     # ax.add_(param.sub(ax).mul_(mu)) when mu != 1, else ax.copy_(param): the product stored
     ax = buffers["ax"]
-    averaged = r(c(ax) + c(r(stored(c(r(c(new_param) - c(ax))) * c(mu)))))
+    averaged = r(c(ax) + c(r(rounded_product(c(r(c(new_param) - c(ax))), c(mu)))))
     new_ax = jnp.where(mu != 1, averaged, new_param)
     # torch computes both from ``step`` as a Python float, then stores them as float32
     step_f = step.astype(hdt)

@@ -14,7 +14,7 @@ from functorch_optim._base import Algorithm, changeable, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_momentum, check_weight_decay
 from functorch_optim._fused import fused_algorithm, rmsprop_kernel
 from functorch_optim._hyperparams import fixed, to_python
-from functorch_optim._torch_ops import fma, lerp_fma, op_casts, signed_grad, stored
+from functorch_optim._torch_ops import fma, lerp_fma, op_casts, rounded_product, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -101,9 +101,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         momentum = hp["momentum"]
         buf = buffers["momentum_buffer"]
         # buf.mul_(momentum).addcdiv_(grad, avg); param.add_(buf, alpha=-lr): lr after the buffer
-        # (mul_ stores its product: ``stored``, never contracted into the add, as XLA
-        # would in some lanes of a loop and not in others)
-        new_buf = r(stored(c(buf) * c(momentum)))
+        # (mul_ stores its product: ``rounded_product``, never contracted into the add, as
+        # XLA would in some lanes of a loop and not in others)
+        new_buf = r(rounded_product(c(buf), c(momentum)))
         new_buf = r(c(new_buf) + c(g) / c(denominator()))
         # torch takes the plain branch, buffer untouched, while momentum == 0
         use = momentum > 0

@@ -294,10 +294,10 @@ def apply_weight_decay(
     if not decoupled and fixed(static or {}, "weight_decay") == "zero":
         return param, grad
     if decoupled:
-        # ``* 1`` is exact; ``mul_`` stores its product (``stored``: XLA would contract it
-        # into the update's add in some lanes of a loop and not in others)
+        # ``* 1`` is exact; ``mul_`` stores its product (``rounded_product``: XLA would
+        # contract it into the update's add in some lanes of a loop and not in others)
         factor = jnp.where(weight_decay != 0, lr_decay_factor(lr, weight_decay, static or {}), 1)
-        return stored(c(param) * c(factor)).astype(dtype), grad
+        return rounded_product(c(param), c(factor)).astype(dtype), grad
     coupled = (c(grad) + c(weight_decay) * c(param)).astype(dtype)
     return param, jnp.where(weight_decay != 0, coupled, grad)
 

@@ -141,13 +141,16 @@ def run_jitted(tx: Any, params: Any, grads: Sequence[Any]) -> tuple[Any, Any]:
 
 
 def assert_bitwise_equal(mine: Any, theirs: Any) -> None:
-    """Every leaf of ``mine`` equals ``theirs``'s (same structure) bit for bit; the message
-    names the first differing path and how many elements differ."""
+    """Every leaf of ``mine`` equals ``theirs``'s (same structure) bit for bit, in dtype
+    and shape too (NaN equals NaN); the message names the first differing path and how
+    many elements differ."""
     for (path, x), y in zip(
         jax.tree_util.tree_flatten_with_path(mine)[0], jax.tree.leaves(theirs), strict=True
     ):
         x, y = np.asarray(x), np.asarray(y)
-        assert np.array_equal(x, y), (jax.tree_util.keystr(path), int(np.sum(x != y)))
+        where = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype and x.shape == y.shape, (where, x.dtype, x.shape, y.dtype, y.shape)
+        assert np.array_equal(x, y, equal_nan=True), (where, int(np.sum(~((x == y) | (x != x) & (y != y)))))
 
 
 def numpy_per_leaf(

@@ -17,7 +17,7 @@ import pytest
 import functorch_optim as fo
 from functorch_optim import _fused
 from functorch_optim._jit import unaliased_paths
-from tests.helpers import entry_text, rmsprop
+from tests.helpers import assert_bitwise_equal, entry_text, rmsprop
 
 # "k": rows of 7, where XLA's CPU loop is vectorized across rows and contracts a product
 # into a following add in some lanes and not in others (a rule that left rounding to
@@ -91,22 +91,13 @@ def _run(tx, params, steps=4, mask=True):
     return params, state
 
 
-def _assert_same_bits(a, b):
-    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for (path, x), y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-        assert np.array_equal(x, y, equal_nan=True), (jax.tree_util.keystr(path), np.max(np.abs(x - y)))
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize(("name", "factory", "config"), CASES, ids=[c[0] for c in CASES])
 def test_fused_is_bit_identical_to_the_jitted_rule(name, factory, config, dtype):
     params = _params(dtype)
     plain = _run(factory(**config, fused=False), params)
     fused = _run(factory(**config, fused=True), params)
-    _assert_same_bits(fused, plain)
+    assert_bitwise_equal(fused, plain)
     # and it moved: every parameter with a gradient changed, the one without did not
     for n in ("w", "b", "s"):
         assert not np.array_equal(np.asarray(fused[0][n]), np.asarray(params[n])), n
@@ -123,7 +114,7 @@ def test_fused_is_bit_identical_to_the_jitted_rule(name, factory, config, dtype)
 def test_centered_rmsprop_with_momentum_over_short_rows():
     params = {"q": jax.random.normal(jax.random.PRNGKey(3), (8, 8), jnp.float32) * 2}
     config = dict(lr=0.3, alpha=0.3, eps=1e-3, momentum=0.9, centered=True)
-    _assert_same_bits(
+    assert_bitwise_equal(
         _run(rmsprop(**config, fused=True), params, mask=False),
         _run(rmsprop(**config, fused=False), params, mask=False),
     )
@@ -133,7 +124,7 @@ def test_centered_rmsprop_with_momentum_over_short_rows():
 def test_other_dtypes_run_the_jitted_rule(factory):
     params = _params(jnp.bfloat16)
     kw = {"momentum": 0.9} if factory is fo.sgd else {}
-    _assert_same_bits(
+    assert_bitwise_equal(
         _run(factory(lr=0.1, fused=True, **kw), params), _run(factory(lr=0.1, fused=False, **kw), params)
     )
 
@@ -143,7 +134,7 @@ def test_fused_under_grad_accumulate_equals_unfused():
     make = lambda fused: fo.grad_accumulate(
         fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=fused), every=3
     )
-    _assert_same_bits(
+    assert_bitwise_equal(
         _run(make(True), params, steps=7, mask=False), _run(make(False), params, steps=7, mask=False)
     )
 
@@ -211,7 +202,7 @@ def test_changing_hyperparameters_does_not_recompile():
     p3, _ = plain_step(
         params, _grads(params, 0), fo.set_hparams(plain.init(params), lr=0.2, weight_decay=0.0)
     )
-    _assert_same_bits(p2, p3)
+    assert_bitwise_equal(p2, p3)
     assert not np.array_equal(np.asarray(p1["w"]), np.asarray(p2["w"]))
 
 
@@ -238,7 +229,7 @@ def test_facade_passes_fused_through():
             opt.grad = grads
             opt.step()
         out.append(opt.params)
-    _assert_same_bits(out[1], out[0])
+    assert_bitwise_equal(out[1], out[0])
 
 
 def test_mixed_dtypes_one_call_per_kernel_dtype():
@@ -249,7 +240,7 @@ def test_mixed_dtypes_one_call_per_kernel_dtype():
         "d": _params(jnp.float32)["s"],
     }
     make = lambda fused: fo.adamw(lr=0.1, weight_decay=1e-2, fused=fused)
-    _assert_same_bits(_run(make(True), params, mask=False), _run(make(False), params, mask=False))
+    assert_bitwise_equal(_run(make(True), params, mask=False), _run(make(False), params, mask=False))
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
     # float32 and float64 each one kernel call; bfloat16 runs the jitted rule
@@ -260,7 +251,7 @@ def test_many_parameters_are_split_into_bounded_calls():
     n = _fused._LEAVES_PER_CALL + 3
     params = {f"p{i:03d}": jnp.linspace(-1.0, 1.0, 3 + i % 4, dtype=jnp.float32) for i in range(n)}
     make = lambda fused: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=fused)
-    _assert_same_bits(
+    assert_bitwise_equal(
         _run(make(True), params, steps=2, mask=False), _run(make(False), params, steps=2, mask=False)
     )
     tx = make(True)
@@ -312,7 +303,7 @@ def test_window_calls_are_bit_identical_to_the_jitted_path(name, factory, config
     fused, plain = _window_run(make(True), params, 8), _window_run(make(False), params, 8)
     # after every call: params, the accumulator, the flags and the whole inner state
     for a, b in zip(fused, plain):
-        _assert_same_bits(a, b)
+        assert_bitwise_equal(a, b)
     params_8, state_8 = fused[-1]
     assert int(state_8.gradient_step) == 8 // every
     assert not np.array_equal(np.asarray(params_8["w"]), np.asarray(params["w"]))
@@ -358,7 +349,7 @@ def test_window_over_other_dtypes_runs_the_jitted_path():
         for k in range(4):
             p, state = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))(p, grads(p, k), state)
         out.append((p, state))
-    _assert_same_bits(out[0], out[1])
+    assert_bitwise_equal(out[0], out[1])
 
 
 def test_window_over_many_parameters_is_split_into_bounded_calls():
@@ -373,7 +364,7 @@ def test_window_over_many_parameters_is_split_into_bounded_calls():
         for _ in range(4):
             p, state = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))(p, grads, state)
         out.append((p, state))
-    _assert_same_bits(out[0], out[1])
+    assert_bitwise_equal(out[0], out[1])
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, grads, tx.init(params)).as_text()
     assert len(re.findall(r"fo_sgd", text)) == 2
@@ -399,7 +390,7 @@ def test_weighted_window_calls_are_bit_identical_to_the_jitted_path(name, factor
         return trail
 
     for a, b in zip(run(True), run(False)):
-        _assert_same_bits(a, b)
+        assert_bitwise_equal(a, b)
 
 
 def test_a_weighted_window_call_is_one_in_place_kernel_call():
@@ -462,8 +453,8 @@ def test_fused_facades_pickle_and_resume_bit_exactly_in_a_fresh_process(tmp_path
         for g in later:
             opt.grad = g
             opt.step()
-        _assert_same_bits(params_, jax.device_get(opt.params))
-        _assert_same_bits(state, jax.device_get(opt.state))
+        assert_bitwise_equal(params_, jax.device_get(opt.params))
+        assert_bitwise_equal(state, jax.device_get(opt.state))
 
 
 def test_fused_facades_of_one_configuration_share_one_compiled_step():
@@ -548,7 +539,7 @@ def test_the_default_takes_the_kernel_for_every_parameter_of_a_dtype_unless_the_
             for _ in range(3):
                 p, s = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s))(p, grads, s)
             out.append((p, s))
-        _assert_same_bits(out[0], out[1])
+        assert_bitwise_equal(out[0], out[1])
 
 
 def test_a_kernel_step_of_at_least_small_step_elements_is_not_run_inline():
@@ -604,7 +595,7 @@ def test_the_default_takes_the_kernel_and_fused_false_the_rule(
     assert _kernel_calls(factory(**config), params) == 1
     assert _kernel_calls(factory(**config, fused=False), params) == 0
     params = _params(jnp.float64)
-    _assert_same_bits(_run(factory(**config), params), _run(factory(**config, fused=False), params))
+    assert_bitwise_equal(_run(factory(**config), params), _run(factory(**config, fused=False), params))
 
 
 def _unrolled_loss(tx, params, steps=3):
@@ -623,11 +614,11 @@ def test_grad_and_jvp_through_default_steps_differentiate_the_rule(
     tangents = jax.tree.map(jnp.cos, params)
     default, rule = factory(**config), factory(**config, fused=False)
     grad = jax.jit(jax.grad(_unrolled_loss, argnums=1), static_argnums=0)
-    _assert_same_bits(grad(default, params), grad(rule, params))
+    assert_bitwise_equal(grad(default, params), grad(rule, params))
     jvp = jax.jit(lambda tx, p, t: jax.jvp(lambda q: _unrolled_loss(tx, q), (p,), (t,)), static_argnums=0)
-    _assert_same_bits(jvp(default, params, tangents), jvp(rule, params, tangents))
+    assert_bitwise_equal(jvp(default, params, tangents), jvp(rule, params, tangents))
     hess = jax.jit(jax.hessian(lambda tx, w: _unrolled_loss(tx, {"w": w}), argnums=1), static_argnums=0)
-    _assert_same_bits(hess(default, params["w"]), hess(rule, params["w"]))
+    assert_bitwise_equal(hess(default, params["w"]), hess(rule, params["w"]))
     assert np.all(np.isfinite(np.asarray(grad(default, params)["w"])))
 
 
@@ -641,7 +632,7 @@ def test_vmap_over_default_states_equals_the_rule(name, factory, config, small_s
         for _ in range(3):
             p, s = step(p, s)
         out.append((p, s))
-    _assert_same_bits(out[0], out[1])
+    assert_bitwise_equal(out[0], out[1])
 
 
 def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differentiates(
@@ -650,7 +641,7 @@ def test_grad_accumulate_over_the_default_takes_the_window_kernel_and_differenti
     params = {k: v for k, v in _params(jnp.float32).items() if k != "none"}
     tx = fo.grad_accumulate(fo.adamw(lr=0.1), every=3)
     assert _kernel_calls(tx, params) == 1
-    _assert_same_bits(
+    assert_bitwise_equal(
         _run(tx, params, steps=7, mask=False),
         _run(fo.grad_accumulate(fo.adamw(lr=0.1, fused=False), every=3), params, steps=7, mask=False),
     )
@@ -697,7 +688,7 @@ def test_rmsprop_kernel_equals_the_rule_from_underflow_to_overflow(dtype):
             for g in grads:
                 p, state = step(p, g, state)
             out.append((p, state))
-        _assert_same_bits(out[0], out[1])
+        assert_bitwise_equal(out[0], out[1])
     assert _kernel_calls(rmsprop(), params) == 1
 
 
@@ -758,7 +749,7 @@ def test_a_cpu_step_traces_the_kernel_alone_and_an_export_for_another_platform_t
     assert traced  # for CUDA
     assert "fo_adam" in exported.mlir_module()
     rule = fo.adam(lr=0.1, weight_decay=0.1, fused=False)
-    _assert_same_bits(
+    assert_bitwise_equal(
         exported.call(params, grads, state),
         jax.jit(lambda p, g, s: fo.step(rule, p, g, s))(params, grads, rule.init(params)),
     )
@@ -773,7 +764,7 @@ def test_a_step_lowered_outside_the_settings_it_was_traced_under_lowers_as_trace
         traced = jax.jit(lambda p, g, s, tx=tx: fo.step(tx, p, g, s)).trace(params, params, tx.init(params))
         with jax.enable_x64(False), jax.numpy_rank_promotion("allow"):
             compiled = traced.lower().compile()
-        _assert_same_bits(
+        assert_bitwise_equal(
             compiled(params, params, tx.init(params)),
             jax.jit(lambda p, g, s: fo.step(rule, p, g, s))(params, params, rule.init(params)),
         )
