@@ -19,7 +19,7 @@ from functorch_optim._checks import (
 )
 from functorch_optim._fused import adagrad_kernel, fused_algorithm
 from functorch_optim._hyperparams import fixed, to_python
-from functorch_optim._torch_ops import lr_over, op_casts, signed_grad
+from functorch_optim._torch_ops import decayed_lr, op_casts, signed_grad
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -48,10 +48,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # here for a weight_decay built as the number 0: then no read of the param for it)
     if fixed(static, "weight_decay") != "zero":
         grad = jnp.where(wd != 0, (c(grad) + a(wd) * c(param)).astype(dtype), grad)
-    # torch reads ``step`` as a Python float: the decayed rate is a double
-    lr = hp["lr"]
-    # a tensor lr: in its dtype
-    clr = lr_over(lr, 1 + (step.astype(lr.dtype) - 1) * hp["lr_decay"], static)
+    # torch reads ``step`` as a Python float: the decayed rate is a double (a tensor lr:
+    # in its dtype)
+    clr = decayed_lr(hp["lr"], step.astype(hp["lr"].dtype), hp["lr_decay"], static)
     # state_sum.addcmul_(grad, grad, value=1)
     new_sum = (c(buffers["sum"]) + c(grad) * c(grad)).astype(dtype)
     # std = state_sum.sqrt().add_(eps): eps outside the square root

@@ -48,7 +48,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         grad = jnp.where(wd != 0, r(c(grad) + a(wd) * c(param)), grad)
     # param.mul_(1 - lambd * eta_value) stored; param.add_(grad, alpha=-eta_value) one FMA
     # (left to XLA, the decayed parameter's product was the one contracted)
-    new_param = r(c(param) * c(1 - lambd * eta_value))
+    # (``1 - lambd * eta_value``: Python arithmetic, the product rounded before the add)
+    new_param = r(c(param) * c(1 - rounded_product(lambd, eta_value)))
     new_param = r(fma(c(grad), a(-eta_value), c(new_param)))
     # ax.add_(param.sub(ax).mul_(mu)) when mu != 1, else ax.copy_(param): the product stored
     ax = buffers["ax"]
@@ -65,7 +66,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         powered = lr_r(lc(base.astype(hdt) ** alpha))
         new_eta = lr_r(t_lr / powered).astype(SCALAR_DTYPE)
     else:
-        new_eta = (lr / ((1 + lambd * lr * step_f) ** alpha)).astype(SCALAR_DTYPE)
+        new_eta = (lr / ((1 + rounded_product(lambd * lr, step_f)) ** alpha)).astype(SCALAR_DTYPE)
     new_mu = (1 / jnp.maximum(jnp.ones((), hdt), step_f - t0)).astype(SCALAR_DTYPE)
     return new_param, {"eta": new_eta, "mu": new_mu, "ax": new_ax}
 

@@ -46,7 +46,7 @@ from jax.interpreters import batching, mlir
 
 from functorch_optim._base import Algorithm, rule_step
 from functorch_optim._hyperparams import fixed, in_use
-from functorch_optim._torch_ops import caster, lr_over, step_as_float
+from functorch_optim._torch_ops import caster, decayed_lr, lr_over, step_as_float
 
 _HERE = Path(__file__).resolve().parent
 _LIBRARY = "_fused_kernels"  # the build's library: _fused_kernels<extension suffix>, beside this module
@@ -667,7 +667,7 @@ def adam_kernel(
         hp["lerp_one_minus_weight"],
         hp["beta2"],
         hp["one_minus_beta2"],
-        1 / c(jnp.sqrt(bias_correction2)),
+        c(jnp.sqrt(bias_correction2)),
         hp["eps"],
         -lr_over(lr, bias_correction1, static),
     ]
@@ -699,9 +699,8 @@ def adagrad_kernel(
     """Adagrad's rule (``_adagrad._step_leaf``) for every parameter of one dtype; the
     decayed rate ``lr / (1 + (step - 1) * lr_decay)`` from each parameter's own step, in
     the hyperparameters' dtype, as the rule computes it."""
-    lr = hp["lr"]
     t = step_as_float(_counters(leaves) + one, hp)
-    clr = lr_over(lr, 1 + (t - 1) * hp["lr_decay"], static)
+    clr = decayed_lr(hp["lr"], t, hp["lr_decay"], static)
     wd = hp["weight_decay"]
     return _call(
         "fo_adagrad",

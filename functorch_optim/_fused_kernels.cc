@@ -184,11 +184,11 @@ FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restr
 }
 
 // --------------------------------------------------------------------------------- Adam
-// scalars: [1 - lr*wd, wd, w = 1 - beta1, 1 - w, beta2, 1 - beta2, 1 / sqrt(bc2), eps, -lr/bc1]
+// scalars: [1 - lr*wd, wd, w = 1 - beta1, 1 - w, beta2, 1 - beta2, sqrt(bc2), eps, -lr/bc1]
 // flags:   [active, weight_decay != 0, |w| < 0.5]
 template <typename T>
 struct AdamScalars {
-  T decay, wd, w, w1, b2, omb2, inv_bc2s, eps, neg_ss, sign;
+  T decay, wd, w, w1, b2, omb2, bc2s, eps, neg_ss, sign;
   bool small;
 };
 
@@ -215,7 +215,8 @@ FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __rest
       second = Maximum(vmax[i], nv);
       vmax[i] = second;
     }
-    const T denom = std::fma(std::sqrt(second), c.inv_bc2s, c.eps);
+    // (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): a division, then an add
+    const T denom = std::sqrt(second) / c.bc2s + c.eps;
     const T update = (c.neg_ss * nm) / denom;
     // decoupled decay: param.mul_(1 - lr * wd) rounds, then the update is added
     p[i] = (kDecay ? pi * c.decay : pi) + update;

@@ -21,6 +21,7 @@ from functorch_optim._torch_ops import (
     caster,
     coupled_weight_decay,
     decay_square,
+    div_by_scalar,
     lerp,
     rdiv,
     rounded_product,
@@ -67,7 +68,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     mu_product = buffers["mu_product"] * mu.astype(mp_dtype)
     exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
     exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
-    denom = (c(exp_avg_sq) / c(bias_correction2)).astype(dtype)
+    denom = div_by_scalar(c(exp_avg_sq), c(bias_correction2)).astype(dtype)
     denom = jnp.sqrt(c(denom)).astype(dtype)
     denom = (c(denom) + c(eps)).astype(dtype)
     hd = t.dtype
@@ -95,7 +96,8 @@ def _step_leaf(param, grad, buffers, step, hp, static):
             coef_avg = rdiv(-lr * mu_next, 1.0 - mu_product_next).astype(hd)
     else:
         # ``_get_value(mu_product)``: the float32 value, then double arithmetic
-        mu_product_next = mu_product.astype(hd) * mu_next
+        # (the product rounded before ``1.0 - ...``: XLA contracted the two into one FMA)
+        mu_product_next = rounded_product(mu_product.astype(hd), mu_next)
         coef_grad = lr_r(grad_num / lc(1.0 - mu_product.astype(hd)))
         coef_avg = lr_r(avg_num / lc(1.0 - mu_product_next))
     new_param = (c(param) + c(coef_grad) * c(grad) / c(denom)).astype(dtype)

@@ -19,9 +19,11 @@ from functorch_optim._torch_ops import (
     caster,
     coupled_weight_decay,
     decay_square,
+    div_by_scalar,
     lerp,
     signed_grad,
     step_as_float,
+    stored,
     zero_buffers,
 )
 
@@ -39,7 +41,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
-    bias_corrected_exp_avg = (c(exp_avg) / c(bias_correction1)).astype(dtype)
+    bias_corrected_exp_avg = div_by_scalar(c(exp_avg), c(bias_correction1)).astype(dtype)
     # maximum length of the approximated SMA, and its length at step t
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * t * (beta2**t) / bias_correction2
@@ -56,7 +58,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     scaled = (c(bias_corrected_exp_avg) * c(lr)).astype(dtype)
     rectified = (c(scaled) * c(adaptive_lr)).astype(dtype)
     rectified = (c(rectified) * c(rect)).astype(dtype)
-    update = jnp.where(rectify, rectified, scaled)
+    # torch stores the product (``param.add_(bias_corrected_exp_avg * lr, alpha=-1)``):
+    # left to XLA, it was contracted into the subtraction, one rounding where torch has two
+    update = stored(jnp.where(rectify, rectified, scaled))
     new_param = (c(param) - c(update)).astype(dtype)
     return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 

@@ -188,6 +188,19 @@ def _round_to_odd(v: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(inexact_even, bits + step, bits), v.dtype)
 
 
+def div_by_scalar(x: jax.Array, divisor: Any) -> jax.Array:
+    """torch's ``tensor / number`` (or a 0-d tensor): a division, correctly rounded.
+
+    XLA rewrites a division by a broadcast value into a multiplication by its
+    reciprocal (``x * (1 / b)``, two roundings: 6.5% of float64 and 44% of float32
+    quotients an ulp off). Here the divisor is ``divisor`` where ``x == x`` and 1 where
+    ``x`` is NaN (whose quotient is NaN either way): an elementwise select, not a
+    broadcast, so XLA keeps the division, fused in the same loop (a compare per element,
+    no pass over memory)."""
+    d = jnp.asarray(divisor).astype(x.dtype)
+    return x / jnp.where(x == x, d, jnp.ones((), x.dtype))
+
+
 def rdiv(number: Any, tensor: jax.Array) -> jax.Array:
     """torch's ``number / tensor`` (``Tensor.__rtruediv__``): ``tensor.reciprocal() *
     number``, two roundings in the tensor's dtype. The barrier keeps XLA from folding
@@ -347,6 +360,13 @@ def lr_over(lr: Any, x: Any, static: Mapping[str, Any]) -> jax.Array:
     with a tensor lr a 0-d tensor of its dtype (see ``torch_lr``)."""
     t_lr, c, r = torch_lr(lr, static)
     return r(t_lr / c(x))
+
+
+def decayed_lr(lr: Any, step: jax.Array, lr_decay: Any, static: Mapping[str, Any]) -> jax.Array:
+    """Adagrad's ``clr = lr / (1 + (step - 1) * lr_decay)`` from ``step`` as a float:
+    torch's Python arithmetic, the product rounded before the add (left to XLA, the two
+    were one FMA), then ``lr_over``."""
+    return lr_over(lr, 1 + rounded_product(step - 1, lr_decay), static)
 
 
 def lr_decay_factor(lr: Any, weight_decay: Any, static: Mapping[str, Any]) -> jax.Array:

@@ -219,34 +219,44 @@ def test_differentiable_step_scalars_like_torch(name, tensor_lr):
 @pytest.mark.parametrize("fused", [None, False], ids=["default", "rule"])
 @pytest.mark.parametrize("name", ["adam", "adamw", "nadam", "radam"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_second_moment_rounds_like_torchs_addcmul(name, dtype, fused):
-    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): torch rounds the
-    # decayed moment, then adds (1 - beta2) * grad * grad with one rounding (an FMA of
-    # the gradient's product, not of the decayed moment's); bit for bit over 5 steps of
-    # 20 000 random elements (an ulp apart on about 42% of them when the other product
-    # was fused)
+def test_parameters_equal_torch_wherever_its_square_root_is_correctly_rounded(name, dtype, fused):
+    # 5 steps of 20 000 random elements against torch (foreach=False), bit for bit:
+    # - exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): torch rounds the
+    #   decayed moment, then adds (1 - beta2) * grad * grad with one rounding (an FMA of
+    #   the gradient's product, not of the decayed moment's: the other was an ulp off on
+    #   about 42% of the elements);
+    # - torch divides by the scalar bias corrections (``v.sqrt() / bias_correction2_sqrt``,
+    #   NAdam's ``v.div(bias_correction2)``, RAdam's ``exp_avg / bias_correction1``);
+    #   XLA rewrote each into a multiplication by the reciprocal (and RAdam's ``- lr *
+    #   m_hat`` was contracted into one FMA): 134-162 float64 parameters were an ulp or
+    #   more off. What remains is torch's square root, which on some CPUs is not correctly
+    #   rounded (float32 on about 20% of inputs here): every element whose square root
+    #   torch got right at every step must equal torch's
     if name in ("nadam", "radam") and fused is False:
         pytest.skip("no kernel and no fused argument: the default is the rule")
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(5)
     p0 = rng.standard_normal(20_000).astype(dtype)
     grads = [rng.standard_normal(20_000).astype(dtype) for _ in range(5)]
     t = torch.tensor(p0.copy(), requires_grad=True)
-    opt = {
-        "adam": torch.optim.Adam,
-        "adamw": torch.optim.AdamW,
-        "nadam": torch.optim.NAdam,
-        "radam": torch.optim.RAdam,
-    }[name]([t], lr=1e-3, foreach=False)
+    opt = getattr(torch.optim, get_spec(name).torch_name)([t], lr=1e-3, foreach=False)
     kwargs = {} if fused is None else {"fused": fused}
     tx = getattr(fo, name)(lr=1e-3, **kwargs)
     params = {"w": jnp.asarray(p0)}
     state = tx.init(params)
     step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
-    for g in grads:
+    torch_rounded_right = np.ones(p0.shape, bool)
+    for k, g in enumerate(grads, start=1):
         t.grad = torch.tensor(g)
         opt.step()
         params, state = step(params, {"w": jnp.asarray(g)}, state)
-    np.testing.assert_array_equal(
-        np.asarray(state.buffers["exp_avg_sq"]["w"]), opt.state[t]["exp_avg_sq"].numpy()
-    )
-    np.testing.assert_array_equal(np.asarray(state.buffers["exp_avg"]["w"]), opt.state[t]["exp_avg"].numpy())
+        v = opt.state[t]["exp_avg_sq"]
+        if name == "nadam":  # exp_avg_sq.div(bias_correction2).sqrt()
+            v = v.div(1 - 0.999**k)
+        torch_rounded_right &= v.sqrt().numpy() == np.sqrt(v.numpy())
+    for buffer in ("exp_avg_sq", "exp_avg"):
+        np.testing.assert_array_equal(np.asarray(state.buffers[buffer]["w"]), opt.state[t][buffer].numpy())
+    ours, theirs = np.asarray(params["w"]), t.detach().numpy()
+    assert torch_rounded_right.mean() > 0.25
+    np.testing.assert_array_equal(ours[torch_rounded_right], theirs[torch_rounded_right])
+    if name == "radam":  # not rectified in its first 5 steps: no square root at all
+        np.testing.assert_array_equal(ours, theirs)

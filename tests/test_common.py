@@ -3,6 +3,7 @@ grad_accumulate, optax.chain, state round trip. New optimizers join by registeri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 import re
@@ -15,7 +16,7 @@ import pytest
 
 import functorch_optim as fo
 from functorch_optim._registry import OPTIMIZERS
-from tests.helpers import rel_err
+from tests.helpers import assert_bitwise_equal, rel_err
 
 # closure-driven optimizers (LBFGS) take a loss function instead of gradients
 SPECS = [s for s in OPTIMIZERS if not getattr(s, "closure", False)]
@@ -54,13 +55,19 @@ def spec(request):
     return request.param
 
 
-def test_jit_equals_eager(spec):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_eager_step_equals_the_jitted_step_bit_for_bit(spec, dtype):
+    # ``fo.step`` outside ``jit`` runs the compiled step: op by op, XLA contracts no
+    # product into its add, and 26-173 of these 271 elements came out an ulp or more
+    # away from the jitted step (and from torch) after 4 steps
     tx = spec.factory(**_config(spec))
-    params, grads = _problem(spec)
-    eager, _ = _run(tx, params, grads)
-    jitted, _ = _run(tx, params, grads, jax.jit(fo.step, static_argnums=0))
-    assert rel_err(jitted, eager) <= 1e-14
-    assert rel_err(eager, params) > 1e-6
+    if spec.shapes is None:
+        spec = dataclasses.replace(spec, shapes={"m": (37, 7), "v": [(4, 3)]})
+    params, grads = _problem(spec, dtype)
+    eager = _run(tx, params, grads)
+    jitted = _run(tx, params, grads, jax.jit(fo.step, static_argnums=0))
+    assert_bitwise_equal(eager, jitted)
+    assert rel_err(eager[0], params) > 1e-6
 
 
 def test_lr_change_does_not_recompile(spec):
