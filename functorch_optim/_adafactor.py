@@ -12,7 +12,15 @@ import optax
 
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import tensor_lr_dtype
-from functorch_optim._torch_ops import lerp_formula, lr_decay_factor, py_max, py_min, signed_grad, torch_lr
+from functorch_optim._torch_ops import (
+    lerp_formula,
+    lr_decay_factor,
+    py_max,
+    py_min,
+    signed_grad,
+    torch_lr,
+    true_divide,
+)
 from functorch_optim._tree import opmath_dtype
 
 
@@ -70,15 +78,17 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     out = {"row_var": None, "col_var": None, "variance": None}
     if param.ndim > 1:
         # torch: torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
+        # (``true_divide``: XLA would multiply by the reciprocal, where torch divides)
         row_mean = jnp.sqrt(jnp.sum(g * g, axis=-1, keepdims=True))
-        row_mean = row_mean * row_mean / g.shape[-1]
+        row_mean = true_divide(row_mean * row_mean, g.shape[-1])
         row_var = lerp_formula(buffers["row_var"].astype(ct), row_mean, w)
         col_mean = jnp.sqrt(jnp.sum(g * g, axis=-2, keepdims=True))
-        col_mean = col_mean * col_mean / g.shape[-2]
+        col_mean = true_divide(col_mean * col_mean, g.shape[-2])
         col_var = lerp_formula(buffers["col_var"].astype(ct), col_mean, w)
         var_estimate = row_var * col_var  # torch: row_var @ col_var, an outer product
-        row_mean_all = jnp.sum(row_var, axis=-2, keepdims=True) / row_var.shape[-2]
-        var_estimate = var_estimate / jnp.maximum(row_mean_all, eps1.astype(ct))
+        # torch's ``mean`` divides the sum by n; ``div_`` by the broadcast row divides
+        row_mean_all = true_divide(jnp.sum(row_var, axis=-2, keepdims=True), row_var.shape[-2])
+        var_estimate = true_divide(var_estimate, jnp.maximum(row_mean_all, eps1.astype(ct)))
         out["row_var"], out["col_var"] = row_var.astype(dtype), col_var.astype(dtype)
     else:
         variance = lerp_formula(buffers["variance"].astype(ct), g * g, w)

@@ -28,7 +28,6 @@ from functorch_optim._hyperparams import fixed, in_use
 from functorch_optim._torch_ops import (
     caster,
     coupled_weight_decay,
-    div_by_scalar,
     fma,
     lerp_fma,
     lr_decay_factor,
@@ -38,6 +37,7 @@ from functorch_optim._torch_ops import (
     signed_grad,
     step_as_float,
     torch_lr,
+    true_divide,
 )
 
 # ------------------------------------------------------------------------------ Adam rule
@@ -119,7 +119,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         out["max_exp_avg_sq"] = second
     # denom = (v.sqrt() / bias_correction2_sqrt).add_(eps), one rounding per op
     denom = jnp.sqrt(c(second)).astype(dtype)
-    denom = div_by_scalar(c(denom), c(bias_correction2_sqrt)).astype(dtype)
+    denom = true_divide(c(denom), c(bias_correction2_sqrt)).astype(dtype)
     denom = (c(denom) + hp["eps"]).astype(dtype)
     # param.addcdiv_(exp_avg, denom, value=-step_size): (value * t1) / t2 on CPU
     new_param = (c(param) + c(-step_size) * c(exp_avg) / c(denom)).astype(dtype)
@@ -152,7 +152,7 @@ def _differentiable_step(param, dtype, exp_avg, exp_avg_sq, buffers, step, hp, s
         second = jnp.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
         out["max_exp_avg_sq"] = second
     denom = jnp.sqrt(c(second)).astype(dtype)
-    denom = div_by_scalar(c(denom), c(bias_correction2_sqrt.astype(step_size_neg.dtype) * step_size_neg))
+    denom = true_divide(c(denom), c(bias_correction2_sqrt.astype(step_size_neg.dtype) * step_size_neg))
     denom = denom.astype(dtype)
     denom = (c(denom) + c(rdiv(hp["eps"], step_size_neg))).astype(dtype)
     return (c(param) + c(exp_avg) / c(denom)).astype(dtype), out

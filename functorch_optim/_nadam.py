@@ -21,13 +21,13 @@ from functorch_optim._torch_ops import (
     caster,
     coupled_weight_decay,
     decay_square,
-    div_by_scalar,
     lerp,
     rdiv,
     rounded_product,
     signed_grad,
     step_as_float,
     torch_lr,
+    true_divide,
 )
 
 #: torch keeps ``mu_product`` as a 0-d tensor of its *default* dtype, float32 unless
@@ -68,7 +68,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     mu_product = buffers["mu_product"] * mu.astype(mp_dtype)
     exp_avg = lerp(buffers["exp_avg"], grad, 1 - beta1)
     exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
-    denom = div_by_scalar(c(exp_avg_sq), c(bias_correction2)).astype(dtype)
+    denom = true_divide(c(exp_avg_sq), c(bias_correction2)).astype(dtype)
     denom = jnp.sqrt(c(denom)).astype(dtype)
     denom = (c(denom) + c(eps)).astype(dtype)
     hd = t.dtype

@@ -19,11 +19,11 @@ from functorch_optim._torch_ops import (
     caster,
     coupled_weight_decay,
     decay_square,
-    div_by_scalar,
     lerp,
     signed_grad,
     step_as_float,
     stored,
+    true_divide,
     zero_buffers,
 )
 
@@ -41,7 +41,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     exp_avg_sq = decay_square(buffers["exp_avg_sq"], grad, beta2)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
-    bias_corrected_exp_avg = div_by_scalar(c(exp_avg), c(bias_correction1)).astype(dtype)
+    bias_corrected_exp_avg = true_divide(c(exp_avg), c(bias_correction1)).astype(dtype)
     # maximum length of the approximated SMA, and its length at step t
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * t * (beta2**t) / bias_correction2

@@ -188,8 +188,9 @@ def _round_to_odd(v: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(inexact_even, bits + step, bits), v.dtype)
 
 
-def div_by_scalar(x: jax.Array, divisor: Any) -> jax.Array:
-    """torch's ``tensor / number`` (or a 0-d tensor): a division, correctly rounded.
+def true_divide(x: jax.Array, divisor: Any) -> jax.Array:
+    """torch's ``tensor / other`` for a number, a 0-d tensor or a tensor that broadcasts
+    against ``x``: a division, correctly rounded.
 
     XLA rewrites a division by a broadcast value into a multiplication by its
     reciprocal (``x * (1 / b)``, two roundings: 6.5% of float64 and 44% of float32
