@@ -661,7 +661,7 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     Outside ``jit`` a rule would run op by op, each operation rounded on its own, where
     the compiled step contracts a product into the add that consumes it (one rounding,
     as torch's ``add_(alpha=)``, ``addcmul_`` and ``lerp_`` do): an eager step came out
-    an ulp away from the jitted one, and from torch, on 10-60% of the elements. Through
+    an ulp away from the jitted one, and from torch, on up to 64% of the elements. Through
     the jitted function an eager call runs the very program ``jax.jit(fo.step)`` runs,
     compiled once per transformation and argument structure. Called with a tracer
     (inside ``jit``, ``vmap``, ``grad``) or with a leaf that is not an array (a Python

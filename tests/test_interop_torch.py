@@ -81,7 +81,8 @@ def test_round_trip_is_exact(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("fused", [None, False], ids=["default", "rule"])
-def test_grads_and_a_step_from_identical_weights(dtype, fused):
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+def test_grads_and_a_step_from_identical_weights(dtype, fused, jitted):
     # a torch module's own parameters and backward() gradients, SGD with momentum: the
     # parameters equal torch's bit for bit after every step (their shapes (4, 3), (1, 4)
     # have short rows, where XLA's loop vectorizes across rows)
@@ -93,9 +94,12 @@ def test_grads_and_a_step_from_identical_weights(dtype, fused):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     tx = fo.sgd(lr=0.1, momentum=0.9, fused=fused)
     state = tx.init(params)
-    # jitted, as a training loop runs it (op by op, outside jit, XLA contracts nothing:
-    # ``param.add_(buf, alpha=-lr)`` is then two roundings where torch's is one)
-    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    # jitted, as a training loop runs it, and called as it is, as a notebook does (op by
+    # op XLA would contract nothing: ``param.add_(buf, alpha=-lr)`` was then two
+    # roundings where torch's is one; an eager step runs the compiled one)
+    step = lambda p, g, s: fo.step(tx, p, g, s)
+    if jitted:
+        step = jax.jit(step)
     for _ in range(5):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
