@@ -14,7 +14,9 @@ the mean of consecutive calls filling ``MIN_SAMPLE_S``):
   jitted rule are also compared with optax rep by rep (``paired_ratio``: the median
   per-rep ratio and a 95 % interval for it);
 * **accumulate**: a ``grad_accumulate`` micro-step next to a bare jitted ``acc + g``,
-  ``optax.MultiSteps`` and torch's ``grad.add_``, and the call that closes a window next
+  the same ``acc + g`` through the step's signature (params and state in and out,
+  donated: ``passthrough_acc_add``), ``optax.MultiSteps`` and torch's ``grad.add_``, and
+  the call that closes a window next
   to a plain step, in three layouts (the tree with the plain rule, the tree and the flat
   layout with ``fused=True``);
 * **peak memory** of each jitted step, from XLA's buffer assignment
@@ -613,6 +615,7 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
             micro, window, plain = (f"{prefix} {k} step" for k in ("micro", "window", "plain"))
             row["ratios"] |= {
                 f"{prefix} micro/bare": _ratio(t, micro, bare),
+                f"{prefix} micro/passthrough": _ratio(t, micro, f"{prefix} passthrough acc+g"),
                 f"{prefix} weighted micro/bare": _ratio(
                     t, f"{prefix} weighted micro step", bare.replace("acc+g", "acc+w*g")
                 ),
@@ -628,6 +631,14 @@ def bench_accumulate(cases, reps: int, log: Callable[[str], None], settle: int =
     return rows
 
 
+def passthrough_acc_add(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+    """``(params, grads, state) -> (params, state)`` of a ``grad_accumulate`` state with
+    only the gradient added into its accumulator: a micro-step's signature, none of its
+    decisions (the bench's floor for a micro-step)."""
+    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
+    return params, state._replace(acc_grads=acc)
+
+
 def accumulate_contenders(
     prefix: str,
     bare: str | None,
@@ -639,7 +650,8 @@ def accumulate_contenders(
 ) -> list[Contender]:
     """grad_accumulate(``sgd``) with the arrays laid out by ``pack`` (``jax_tree`` or
     ``flat_tree``): its micro-step, the call that closes a window of 2 (after an untimed
-    micro-step) and the plain step, named ``"{prefix} micro step"`` and so on; and, named
+    micro-step) and the plain step, named ``"{prefix} micro step"`` and so on, and
+    ``passthrough_acc_add`` over the same arrays (``"{prefix} passthrough acc+g"``); and, named
     ``bare`` unless None, a bare jitted ``acc + g`` on the same arrays."""
     grads = pack(np_grads)
 
@@ -647,7 +659,8 @@ def accumulate_contenders(
         params = pack(np_leaves)  # each contender owns (and donates) its own
         return JaxStepper(fo_step_fn(tx), params, grads, tx.init(params), nbytes)
 
-    micro = stepper(fo.grad_accumulate(sgd, every=NEVER))
+    micro_tx = fo.grad_accumulate(sgd, every=NEVER)
+    micro = stepper(micro_tx)
     window = stepper(fo.grad_accumulate(sgd, every=2))
     plain = stepper(sgd)
     # reduction="weighted": the weight is an argument (traced), as a training loop passes it
@@ -660,9 +673,17 @@ def accumulate_contenders(
         weighted_tx.init(params),
         nbytes,
     )
+    # the least any micro-step through ``fo.step``'s signature costs: the same arrays in
+    # and out (params and state donated), only ``acc + g`` computed; what it takes above
+    # ``bare`` is the dispatch of the arrays the step carries (params, buffers), not work
+    params = pack(np_leaves)
+    passthrough = JaxStepper(passthrough_acc_add, params, grads, micro_tx.init(params), nbytes)
     micro_bytes, step_bytes = BYTES_PER_PARAM["micro"], BYTES_PER_PARAM["sgd"]
     out = [
         Contender(f"{prefix} micro step", micro, bytes_per_param=micro_bytes, memory=micro.memory),
+        Contender(
+            f"{prefix} passthrough acc+g", passthrough, bytes_per_param=micro_bytes, memory=passthrough.memory
+        ),
         Contender(
             f"{prefix} weighted micro step", weighted, bytes_per_param=micro_bytes, memory=weighted.memory
         ),
@@ -882,6 +903,12 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         micro, window, plain = (f"{prefix} {k} step" for k in ("micro", "window", "plain"))
         add("2. micro-step / bare acc + g", layout, [(label(r), ratio(r, micro, bare)) for r in acc], 1.1)
         add(
+            "2. micro-step / passthrough acc + g",
+            layout,
+            [(label(r), ratio(r, micro, f"{prefix} passthrough acc+g")) for r in acc],
+            1.1,
+        )
+        add(
             "2. MultiSteps micro-step / micro-step",
             layout,
             [(label(r), ratio(r, "optax MultiSteps micro-step", micro)) for r in acc],
@@ -1037,11 +1064,12 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### grad_accumulate(sgd), float32 (median ms; the window step closes a window of 2)",
             "",
-            "| params | leaves | layout | micro-step | bare acc+g | micro / bare | MultiSteps micro-step "
+            "| params | leaves | layout | micro-step | bare acc+g | micro / bare | passthrough acc+g "
+            "| micro / passthrough | MultiSteps micro-step "
             "| MultiSteps / micro | window step | plain step | window / plain | (window − micro) / plain "
             "| torch grad.add_ | peak micro ×P | peak window ×P | peak bare ×P | peak MultiSteps ×P "
             "| weighted micro-step | bare acc+w·g | weighted / bare |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---" * 22 + "|",
         ]
         for r in result["accumulate"]:
             t, q, m = r["times_ms"], r["ratios"], r["memory_x_params"]
@@ -1050,6 +1078,8 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {_size(r['params'])} | {r['leaves']} | {layout} | {_fmt(t.get(micro))} "
                     f"| {_fmt(t.get(bare))} | {_fmt(q.get(f'{prefix} micro/bare'))} "
+                    f"| {_fmt(t.get(f'{prefix} passthrough acc+g'))} "
+                    f"| {_fmt(q.get(f'{prefix} micro/passthrough'))} "
                     f"| {_fmt(t.get('optax MultiSteps micro-step'))} "
                     f"| {_fmt(q.get(f'MultiSteps micro/{prefix} micro'), '.1f')} | {_fmt(t.get(window))} "
                     f"| {_fmt(t.get(plain))} | {_fmt(q.get(f'{prefix} window/plain'))} "

@@ -84,6 +84,7 @@ def test_accumulate_rows_have_every_contender(result):
     layouts = ("fo", "fo fused", "fo flat")
     kinds = ("micro", "weighted micro", "window", "plain")
     steps = {f"{prefix} {kind} step" for prefix in layouts for kind in kinds}
+    steps |= {f"{prefix} passthrough acc+g" for prefix in layouts}
     names = steps | {
         "bare acc+g",
         "bare flat acc+g",
@@ -100,14 +101,14 @@ def test_accumulate_rows_have_every_contender(result):
         window_parts = {f"{prefix} (window - micro)/plain" for prefix in layouts}
         assert window_parts < set(row["ratios"])
         assert {f"{prefix} weighted micro/bare" for prefix in layouts} < set(row["ratios"])
+        assert {f"{prefix} micro/passthrough" for prefix in layouts} < set(row["ratios"])
         # a difference of two noisy times: finite, not necessarily positive
         assert all(math.isfinite(row["ratios"][k]) for k in window_parts)
         assert all(_finite_positive(v) for k, v in row["ratios"].items() if k not in window_parts)
         # one accumulator on top of params + grads + momentum buffer, nothing more, in
         # every layout (the fused window call writes the mean over the accumulated sum)
         for prefix in layouts:
-            for kind in ("micro", "window"):
-                name = f"{prefix} {kind} step"
+            for name in (f"{prefix} micro step", f"{prefix} window step", f"{prefix} passthrough acc+g"):
                 assert 4.0 <= row["memory_x_params"][name] < 4.1, name
         assert 2.0 <= row["memory_x_params"]["bare acc+g"] < 2.1
         assert 2.0 <= row["memory_x_params"]["bare flat acc+g"] < 2.1
@@ -271,6 +272,39 @@ def test_the_default_contender_is_the_library_default(kind):
     assert program(make()) == default
     if _fused.load_kernels() is not None:
         assert "custom_call" in default and "custom_call" not in program(make(fused=False))
+
+
+@pytest.mark.parametrize("layout", ["jax_tree", "flat_tree"])
+@pytest.mark.parametrize("fused", [None, False, True])
+def test_passthrough_computes_what_a_micro_step_does(layout, fused):
+    """The micro-step's floor does the micro-step's work on the same arrays: it returns
+    the parameters untouched and the accumulator the micro-step writes (bit for bit), so
+    the ratio of the two times is the cost of the micro-step's decisions alone."""
+    import jax
+    import numpy as np
+
+    import functorch_optim as fo
+    from functorch_optim import _bench
+    from tests.helpers import assert_bitwise_equal
+
+    pack = getattr(_bench, layout)
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in (7, 30, 1)]
+    tx = fo.grad_accumulate(_bench.fo_sgd(fused=fused), every=_bench.NEVER)
+    params, state = pack(leaves), tx.init(pack(leaves))
+    floor = jax.jit(_bench.passthrough_acc_add)
+    step = jax.jit(_bench.fo_step_fn(tx))
+    p_floor, s_floor = params, state
+    for _ in range(3):
+        grads = pack([rng.standard_normal(x.shape).astype(np.float32) for x in leaves])
+        p_floor, s_floor = floor(p_floor, grads, s_floor)
+        params, state = step(params, grads, state)
+        # the micro-step's first call overwrites the (zero) sum; later calls add in
+        for a, b in zip(
+            jax.tree.leaves((p_floor, s_floor.acc_grads)), jax.tree.leaves((params, state.acc_grads))
+        ):
+            assert_bitwise_equal(a, b)
+    assert int(state.mini_step) == 3 and not bool(state.stepped)
 
 
 def test_round_robin_times_every_contender_after_changing_neighbours():
