@@ -7,6 +7,7 @@ call under it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functorch_optim._base import STEP_ATTR, WINDOW_ATTR, _all_staged, own_counters
+from functorch_optim._base import STEP_ATTR, WINDOW_ATTR, _all_staged, compiled_when_eager, own_counters
 from functorch_optim._base import step as _step
 from functorch_optim._fused import Window, kernel_or_rule, window_scale
 from functorch_optim._sharding import sharded_init
@@ -545,9 +546,27 @@ def grad_accumulate(
         check_like_params(acc_like, state.acc_grads, "state.acc_grads")
         if every == 1:
             return params, state  # every window is closed by its own call
+        return flush_window(params, state, **extra_args)
+
+    @compiled_when_eager
+    def flush_window(params, state, **extra_args):
         grads = jax.tree.map(lambda _: None, params)
         return execute(policy.open_flush(state), params, grads, state, extra_args)
 
+    def weight_checked(fn):
+        # outside jit a call runs compiled (op by op the weighted ``acc + g * w`` rounds
+        # twice where the jitted call rounds once); the weight's value is checked first,
+        # as the compiled call sees a tracer
+        compiled = compiled_when_eager(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **extra_args):
+            _weight_of(extra_args, reduction)
+            return compiled(*args, **extra_args)
+
+        return call
+
+    update, step_fn = weight_checked(update), weight_checked(step_fn)
     setattr(update, STEP_ATTR, step_fn)
     setattr(update, FLUSH_ATTR, flush_fn)
     return optax.GradientTransformationExtraArgs(sharded_init(init), update)

@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functorch_optim._base import compiled_when_eager
 from functorch_optim._checks import to_python
 from functorch_optim._scaler import TorchAssertionError
+from functorch_optim._torch_ops import lerp_fma, rounded_product
 from functorch_optim._tree import PyTree, check_params, is_none
 
 AvgFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -30,11 +32,10 @@ def _true_div(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
-    """``torch.lerp`` in ``start``'s precision (torch's two-sided formula)."""
+    """``torch.lerp`` in ``start``'s precision (torch's two-sided formula, each side one
+    fused multiply-add as its CPU kernel computes it: ``_torch_ops.lerp_fma``)."""
     ct = jnp.promote_types(start.dtype, jnp.float32)
-    s, e, w = start.astype(ct), end.astype(ct), jnp.asarray(weight).astype(ct)
-    out = jnp.where(jnp.abs(w) < 0.5, s + w * (e - s), e - (e - s) * (1 - w))
-    return out.astype(start.dtype)
+    return lerp_fma(start.astype(ct), end.astype(ct), jnp.asarray(weight).astype(ct)).astype(start.dtype)
 
 
 def get_ema_multi_avg_fn(decay: float = 0.999) -> AvgFn:
@@ -76,9 +77,8 @@ def get_swa_multi_avg_fn() -> AvgFn:
 def get_ema_avg_fn(decay: float = 0.999) -> AvgFn:
     r"""``swa_utils.get_ema_avg_fn``: :math:`d\,W^{EMA} + (1 - d)\,W`.
 
-    Under ``jit`` XLA on CPU may contract one product and the sum into a fused
-    multiply-add, so results can differ from torch's by a few ulps (the ``lerp`` form,
-    ``get_ema_multi_avg_fn``, matches torch bit for bit).
+    Each product is rounded before the sum, as torch's three tensor operations round
+    (XLA would contract one of them into the addition).
 
     Raises:
       ValueError: ``Invalid decay value … provided. Please provide a value in [0,1] range.``
@@ -88,7 +88,7 @@ def get_ema_avg_fn(decay: float = 0.999) -> AvgFn:
     def ema_update(averaged, current, num_averaged):
         del num_averaged
         dt = averaged.dtype
-        return (jnp.asarray(decay, dt) * averaged + jnp.asarray(1 - decay, dt) * current).astype(dt)
+        return (rounded_product(averaged, decay) + rounded_product(current, 1 - decay)).astype(dt)
 
     return ema_update
 
@@ -263,4 +263,6 @@ def averaged_model(avg_fn: AvgFn | None = None, multi_avg_fn: AvgFn | None = Non
         )
         return AveragedModelState(new, n + 1)
 
-    return AveragedModel(init, update)
+    # called outside jit, the update runs compiled (op by op the lerp's product would be
+    # rounded apart from its sum)
+    return AveragedModel(init, compiled_when_eager(update))

@@ -665,8 +665,11 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     the jitted function an eager call runs the very program ``jax.jit(fo.step)`` runs,
     compiled once per transformation and argument structure. Called with a tracer
     (inside ``jit``, ``vmap``, ``grad``) or with a leaf that is not an array (a Python
-    number among the params or grads, which the checks reject by name; only a keyword's
-    Python bool, a ``grad_mask`` flag, is let through), ``fn`` runs as it is."""
+    number among the params or grads, which the checks reject by name; a keyword's
+    Python bool or number, a ``grad_mask`` flag or ``grad_accumulate``'s ``weight=``,
+    is let through, traced as ``jit`` traces it, so a new value compiles nothing),
+    ``fn`` runs as it is. A check of a keyword's value that a tracer would skip must
+    run before the call (``grad_accumulate``'s weight)."""
     jitted = jax.jit(fn)
 
     @functools.wraps(fn)
@@ -680,7 +683,7 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _all_concrete(args: Any, kwargs: Mapping[str, Any]) -> bool:
     return all(map(_concrete, jax.tree.leaves(args))) and all(
-        isinstance(x, bool) or _concrete(x) for x in jax.tree.leaves(kwargs)
+        isinstance(x, bool | int | float) or _concrete(x) for x in jax.tree.leaves(kwargs)
     )
 
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import functorch_optim as fo
-from tests.helpers import entry_text, rel_err
+from tests.helpers import assert_bitwise_equal, entry_text, rel_err
 
 K, B, STEPS = 4, 8, 3
 
@@ -456,6 +456,49 @@ def test_weighted_bf16_accumulates_in_float32():
         params, state = step(params, small, state)
     expected = 255 * 3 * float(jnp.asarray(1e-2, jnp.bfloat16))
     np.testing.assert_allclose(np.asarray(state.acc_grads["w"]), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "rule"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "weighted"])
+@pytest.mark.parametrize("as_array", [False, True], ids=["python_weight", "array_weight"])
+def test_eager_calls_equal_the_jitted_ones_bit_for_bit(reduction, fused, dtype, as_array):
+    # outside jit a call ran op by op: the weighted ``acc + g * w`` was two roundings
+    # where the jitted call (and the kernel) contracts it into one, and 243-275 elements
+    # of params and state differed after 6 calls; with a Python number as the weight a
+    # call with arrays everywhere else still ran op by op
+    rng = np.random.default_rng(3)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((37, 7)), dtype),
+        "b": jnp.asarray(rng.standard_normal(5), dtype),
+    }
+    grads = [
+        jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), dtype), params) for _ in range(7)
+    ]
+    weights = [0.37, 1.3, 2.9, 0.11, 5.0, 0.7, 3]
+    tx = fo.grad_accumulate(fo.adam(lr=1e-2, fused=fused), every=3, reduction=reduction)
+
+    def kwargs(w):
+        if reduction != "weighted":
+            return {}
+        return {"weight": jnp.asarray(w, dtype) if as_array else w}
+
+    def run(step, update, flush):
+        p, s = params, tx.init(params)
+        for g, w in zip(grads[:5], weights):
+            p, s = step(p, g, s, **kwargs(w))
+        updates, s = update(grads[5], s, p, **kwargs(weights[5]))
+        p = optax.apply_updates(p, updates)
+        return flush(p, s)
+
+    eager = run(functools.partial(fo.step, tx), tx.update, functools.partial(fo.flush, tx))
+    jitted = run(
+        jax.jit(functools.partial(fo.step, tx)),
+        jax.jit(tx.update),
+        jax.jit(functools.partial(fo.flush, tx)),
+    )
+    assert_bitwise_equal(eager, jitted)
+    assert bool(eager[1].stepped) and rel_err(eager[0]["w"], params["w"]) > 1e-4
 
 
 def test_weighted_errors():
