@@ -224,6 +224,17 @@ def our_sequences():
     return {key: np.asarray(v) for key, v in out.items()}
 
 
+#: cases whose lrs are not yet torch's bit for bit (the others are: each product that
+#: torch's Python expression rounds before a sum is rounded, ``_core._mul``, and each new
+#: lr is stored as torch's param group stores it, ``_core._stored_lr``; before, XLA
+#: contracted them and 12 cases differed, e.g. CosineAnnealingLR on 537 of 642 values)
+NOT_BIT_FOR_BIT = {
+    "CyclicLR-scale_fn-iterations": "58 of 642: the user's scale_fn, traced, is XLA's to contract",
+    "OneCycleLR-cos": "3 of 642",
+    "SequentialLR-restart-each": "17 of 642",
+}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_lr_sequence_matches_torch_per_group(name, our_sequences):
     make_torch = CASES[name][0]
@@ -231,6 +242,8 @@ def test_lr_sequence_matches_torch_per_group(name, our_sequences):
     got = our_sequences[name, "lr"]
     assert got.shape == (N + 1, 2)
     assert np.max(np.abs(got - ref_lr)) <= TOL
+    if name not in NOT_BIT_FOR_BIT:
+        np.testing.assert_array_equal(got, ref_lr)
     assert np.any(ref_lr[:, 0] != LRS[0])  # the schedule really moves
     if (name, "momentum") in our_sequences:
         assert np.max(np.abs(our_sequences[name, "momentum"] - ref_mom)) <= TOL

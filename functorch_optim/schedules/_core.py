@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functorch_optim._hyperparams import hparam_dtype
+from functorch_optim._torch_ops import stored
 
 Group = dict[str, Any]
 SState = dict[str, Any]
@@ -36,6 +37,20 @@ def _div(a: Any, b: Any) -> jax.Array:
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
     return a / b
+
+
+def _mul(a: Any, b: Any) -> jax.Array:
+    """``a * b`` rounded on its own, as Python's float product is before the sum that
+    takes it (XLA would contract the product into an add or subtraction that consumes
+    it, also through a multiplication by 1 it removes)."""
+    return stored(_f(a) * _f(b))
+
+
+def _stored_lr(values: Any, like: Any) -> jax.Array:
+    """A scheduler's new lr as torch stores it, a float in the param group: rounded on its
+    own, so that no product computing it is contracted into what reads it (the next
+    scheduler of a chain, the step)."""
+    return jnp.broadcast_to(stored(_f(values)), jnp.shape(like))
 
 
 def _pow(a: Any, b: Any) -> jax.Array:
@@ -193,7 +208,7 @@ class _Spec:
             values = self.closed_form(group, st)
             if values is None:
                 values, group = self.get_lr(group, st, False)
-        group["lr"] = jnp.broadcast_to(_f(values), jnp.shape(group["lr"]))
+        group["lr"] = _stored_lr(values, group["lr"])
         return group, st
 
     def undo(self, st: SState) -> SState:

@@ -15,6 +15,7 @@ from functorch_optim.schedules._core import (
     _div,
     _f,
     _format_param,
+    _mul,
     _pow,
     _select,
     _Spec,
@@ -85,11 +86,11 @@ class _CyclicLR(_Spec):
         )
         arg = cycle.astype(jnp.int32) if self.scale_mode == "cycle" else e
         scale = self.scale_fn(arg)
-        base_height = (st["max_lrs"] - st["base_lrs"]) * scale_factor
-        lrs = st["base_lrs"] + base_height * scale
+        base_height = _mul(st["max_lrs"] - st["base_lrs"], scale_factor)
+        lrs = st["base_lrs"] + _mul(base_height, scale)
         if self.cycles_momentum:
-            height = (st["max_momentums"] - st["base_momentums"]) * scale_factor
-            group = {**group, "momentum": st["max_momentums"] - height * scale}
+            height = _mul(st["max_momentums"] - st["base_momentums"], scale_factor)
+            group = {**group, "momentum": st["max_momentums"] - _mul(height, scale)}
         return lrs, group
 
 
@@ -121,8 +122,8 @@ class _OneCycleLR(_Spec):
     def _anneal(self, start, end, pct):
         if self.strategy == "cos":
             cos_out = _cos(math.pi * pct) + 1
-            return end + _div(start - end, 2.0) * cos_out
-        return (end - start) * pct + start
+            return end + _mul(_div(start - end, 2.0), cos_out)
+        return _mul(end - start, pct) + start
 
     def get_lr(self, group, st, is_initial):
         step_num = st["last_epoch"]

@@ -24,8 +24,10 @@ from functorch_optim.schedules._core import (
     _f,
     _format_param,
     _i,
+    _mul,
     _pow,
     _Spec,
+    _stored_lr,
 )
 
 
@@ -79,7 +81,7 @@ class _ConstantLR(_Spec):
 
     def closed_form(self, group, st):
         reached = (st["last_epoch"] >= self.total_iters).astype(hparam_dtype())
-        return st["base_lrs"] * (self.factor + reached * (1 - self.factor))
+        return st["base_lrs"] * (self.factor + _mul(reached, 1 - self.factor))
 
 
 class _LinearLR(_Spec):
@@ -91,7 +93,7 @@ class _LinearLR(_Spec):
     def get_lr(self, group, st, is_initial):
         e, lr = st["last_epoch"], group["lr"]
         d = self.end - self.start
-        ratio = 1.0 + _div(d, self.total * self.start + _f(e - 1) * d)
+        ratio = 1.0 + _div(d, self.total * self.start + _mul(_f(e - 1), d))
         out = lr if is_initial else jnp.where(e > self.total, lr, lr * ratio)
         return jnp.where(e == 0, lr * self.start, out), group
 
@@ -148,7 +150,7 @@ class _CosineAnnealingLR(_Spec):
         resumed = eta + _div((base - eta) * (1 + _cos(_div(_f(e) * math.pi, T))), 2)
         restart = lr + _div((base - eta) * (1 - _cos(_div(math.pi, T))), 2)
         ratio = _div(1 + _cos(_div(math.pi * _f(e), T)), 1 + _cos(_div(math.pi * _f(e - 1), T)))
-        recursive = ratio * (lr - eta) + eta
+        recursive = _mul(ratio, lr - eta) + eta
         out = jnp.where((e - 1 - T) % (2 * T) == 0, restart, recursive)
         return jnp.where((st["step_count"] == 1) & (e > 0), resumed, out), group
 
@@ -185,7 +187,7 @@ class _CosineAnnealingWarmRestarts(_Spec):
             "last_epoch": jnp.where(first, 0, e + 1).astype(jnp.int32),
         }
         lr, group = self.get_lr(dict(group), st, is_initial)
-        group["lr"] = jnp.broadcast_to(lr, jnp.shape(group["lr"]))
+        group["lr"] = _stored_lr(lr, group["lr"])
         return group, st
 
 
@@ -212,9 +214,9 @@ class _SWALR(_Spec):
         prev_t = jnp.clip(_div(step - 1, denom), 0, 1)
         prev_alpha = self._anneal(prev_t)
         swa, lr = group["swa_lr"], group["lr"]
-        prev_lr = jnp.where(prev_alpha == 1, swa, _div(lr - prev_alpha * swa, 1 - prev_alpha))
+        prev_lr = jnp.where(prev_alpha == 1, swa, _div(lr - _mul(prev_alpha, swa), 1 - prev_alpha))
         alpha = self._anneal(jnp.clip(_div(step, denom), 0, 1))
-        return swa * alpha + prev_lr * (1 - alpha), group
+        return _mul(swa, alpha) + _mul(prev_lr, 1 - alpha), group
 
 
 def step_lr(lr: Any, step_size: int, gamma: float = 0.1) -> Schedule:
