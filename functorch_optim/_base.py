@@ -683,7 +683,8 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _all_concrete(args: Any, kwargs: Mapping[str, Any]) -> bool:
     return all(map(_concrete, jax.tree.leaves(args))) and all(
-        isinstance(x, bool | int | float) or _concrete(x) for x in jax.tree.leaves(kwargs)
+        isinstance(x, int | float) or _concrete(x)
+        for x in jax.tree.leaves(kwargs)  # bools are ints
     )
 
 

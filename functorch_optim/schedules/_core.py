@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functorch_optim._hyperparams import hparam_dtype
-from functorch_optim._torch_ops import stored
+from functorch_optim._torch_ops import rounded_product, stored
 
 Group = dict[str, Any]
 SState = dict[str, Any]
@@ -43,7 +43,7 @@ def _mul(a: Any, b: Any) -> jax.Array:
     """``a * b`` rounded on its own, as Python's float product is before the sum that
     takes it (XLA would contract the product into an add or subtraction that consumes
     it, also through a multiplication by 1 it removes)."""
-    return stored(_f(a) * _f(b))
+    return rounded_product(_f(a), _f(b))
 
 
 def _stored_lr(values: Any, like: Any) -> jax.Array:
