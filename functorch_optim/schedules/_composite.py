@@ -26,6 +26,7 @@ from functorch_optim.schedules._core import (
     _select,
     _Spec,
     _where,
+    python_arithmetic,
 )
 from functorch_optim.schedules._plateau import _PlateauSchedule
 
@@ -64,7 +65,7 @@ class _LambdaLR(_Spec):
         if self.eager:
             return _f(fn(int(epoch)))
         try:
-            return _f(fn(jnp.asarray(epoch, jnp.result_type(int))))
+            return _f(python_arithmetic(fn, jnp.asarray(epoch, jnp.result_type(int))))
         except _UNTRACEABLE as err:
             raise TypeError(
                 f"{self.name}: lr_lambda {_describe(fn)} cannot be traced by JAX "
@@ -218,7 +219,8 @@ def lambda_lr(lr: Any, lr_lambda: Callable | Sequence[Callable]) -> Schedule:
         or one per param group.
       lr_lambda: ``epoch -> factor``, or one per group. Inside jit it receives the step
         as a traced integer array (int64 under x64, so ``e / n`` is float64 like
-        Python's) and must be written with ``jax.numpy``: ``jnp.where(e < n, a, b)``,
+        Python's), its products and quotients round as Python's (``_core.python_arithmetic``),
+        and it must be written with ``jax.numpy``: ``jnp.where(e < n, a, b)``,
         not ``a if e < n else b``; ``jnp.maximum``, not ``max``; no ``float()``. The
         facade's ``functorch_optim.optim.lr_scheduler.LambdaLR`` calls torch-style
         Python lambdas unchanged, with a Python int.

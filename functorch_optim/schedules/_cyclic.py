@@ -19,6 +19,7 @@ from functorch_optim.schedules._core import (
     _pow,
     _select,
     _Spec,
+    python_arithmetic,
 )
 
 
@@ -43,7 +44,9 @@ class _CyclicLR(_Spec):
         if self.custom is not None and self.eager:  # the facade: a Python int, as torch
             return _f(self.custom(int(x)))
         if self.custom is not None:
-            return _f(self.custom(jnp.asarray(x, jnp.result_type(int))))  # int64 under x64, as lambda_lr
+            return _f(
+                python_arithmetic(self.custom, jnp.asarray(x, jnp.result_type(int)))
+            )  # int64 under x64, as lambda_lr
         if self.mode == "triangular":
             return _f(1.0)
         if self.mode == "triangular2":
