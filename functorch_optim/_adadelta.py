@@ -12,7 +12,7 @@ import optax
 from functorch_optim._base import Algorithm, make_optimizer
 from functorch_optim._checks import check_eps, check_lr, check_weight_decay
 from functorch_optim._hyperparams import fixed
-from functorch_optim._torch_ops import decay_square, op_casts, signed_grad, zero_buffers
+from functorch_optim._torch_ops import decay_square, op_casts, signed_grad, stored, zero_buffers
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -40,8 +40,9 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_()
         std = r(jnp.sqrt(c(r(c(square_avg) + a(eps)))))
         delta = r(jnp.sqrt(c(r(c(acc_delta) + a(eps)))))
-        # delta.div_(std).mul_(grad)
-        return r(c(r(c(delta) / c(std))) * c(grad))
+        # delta.div_(std).mul_(grad): a division by the stored std (XLA rewrites a
+        # division by a square root into a multiply by its reciprocal square root)
+        return r(c(r(c(delta) / stored(c(std)))) * c(grad))
 
     g = effective_grad(param, grad)
     # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)

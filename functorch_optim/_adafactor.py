@@ -18,6 +18,7 @@ from functorch_optim._torch_ops import (
     py_max,
     py_min,
     signed_grad,
+    stored,
     torch_lr,
     true_divide,
 )
@@ -95,8 +96,10 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         var_estimate = variance
         out["variance"] = variance.astype(dtype)
 
-    # torch: var_estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
-    update = 1 / jnp.sqrt(jnp.maximum(var_estimate, (eps1 * eps1).astype(ct))) * g
+    # torch: var_estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad); torch's CPU rsqrt
+    # is 1 / sqrt(x), two roundings, where XLA's rsqrt of float32 is an approximation
+    # (32% of its values differ): the square root stored, then divided
+    update = 1 / stored(jnp.sqrt(jnp.maximum(var_estimate, (eps1 * eps1).astype(ct)))) * g
     update_rms = jnp.sqrt(jnp.sum(update * update)).astype(hdt)
     # Python's max: a NaN update norm gives 1 (only the NaN elements of the update
     # reach the parameter), where jnp.maximum would turn the whole tensor NaN

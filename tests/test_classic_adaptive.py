@@ -1006,3 +1006,45 @@ def test_grad_through_steps_equals_torch_differentiable(name):
     fd = (hi - lo) / (2 * h)
     assert abs(float(g_lr) - fd) <= 1e-6 * max(1.0, abs(fd))
     assert abs(fd) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_adadelta_divides_by_the_square_root(dtype):
+    """``delta.div_(std)`` with ``std = square_avg.add(eps).sqrt_()``: XLA rewrote the
+    division by a square root into a multiplication by ``rsqrt`` (an ulp off on some
+    elements from the first step, ``eps=1e-3``). From zero state with ``lr=1`` (``-1 *
+    delta`` exact) the first step is these IEEE operations, each rounded: NumPy's."""
+    rng = np.random.default_rng(0)
+    p, g = (rng.standard_normal(4096).astype(dtype) for _ in range(2))
+    one_minus_rho, eps = dtype(1 - 0.9), dtype(1e-3)  # torch's Python scalars, cast
+    tx = fo.adadelta(lr=1.0, rho=0.9, eps=1e-3)
+    got, state = jax.jit(functools.partial(fo.step, tx))({"w": p}, {"w": g}, tx.init({"w": jnp.asarray(p)}))
+    square_avg = (one_minus_rho * g) * g  # fma((1 - rho) * g, g, 0 * rho): one product, rounded
+    delta = np.sqrt(dtype(0) + eps) / np.sqrt(square_avg + eps) * g
+    np.testing.assert_array_equal(state.buffers["square_avg"]["w"], square_avg)
+    np.testing.assert_array_equal(got["w"], p - delta)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32], ids=["f64", "f32"])
+def test_no_rule_computes_a_reciprocal_square_root(dtype):
+    """torch divides by square roots (and its CPU ``rsqrt_`` is ``1 / sqrt``); XLA's
+    ``rsqrt`` is another rounding (float32: an approximation, 32% of its values off):
+    no compiled step of a rule holds one (Adadelta's and Adafactor's did)."""
+    params = {"w": jnp.ones((3, 4), dtype), "b": jnp.ones((4,), dtype)}
+    for name in (
+        "adadelta",
+        "adafactor",
+        "adagrad",
+        "adam",
+        "adamax",
+        "nadam",
+        "radam",
+        "rmsprop",
+        "rprop",
+        "asgd",
+    ):
+        tx = getattr(fo, name)()
+        hlo = (
+            jax.jit(functools.partial(fo.step, tx)).lower(params, params, tx.init(params)).compile().as_text()
+        )
+        assert " rsqrt(" not in hlo, name

@@ -50,13 +50,16 @@ def _rounded(x: jax.Array) -> jax.Array:
     it where the product might be NaN, but LLVM proves a product of an integer's
     conversion and a constant never is (``0.1 * e``: 21 of 400 values ``1 / (1 + 0.1 *
     e)`` differed) and drops the select. Here the bits go through a signed ``min`` with
-    the first positive NaN's: every number, infinity and negative NaN is its own bits
+    the positive quiet NaN's: every number, infinity and negative NaN is its own bits
     (their signed integers are smaller), a positive NaN is a NaN; no analysis of a float
-    bounds its bits, so the product reaches the add only as a ``min`` of integers."""
+    bounds its bits, so the product reaches the add only as a ``min`` of integers. (Not
+    for the rules' arrays: there LLVM vectorizes across short rows, and which of a
+    ``stored`` and this keeps every lane's FMA depends on the shape, e.g. a vmapped
+    AdamW's ``(2, 3)`` moment; the select is what their tests pin.)"""
     signed = jnp.dtype(f"int{jnp.finfo(x.dtype).bits}")
-    first_nan = np.asarray(np.inf, x.dtype).view(signed) + 1  # the bits after +inf's
+    quiet_nan = np.asarray(np.nan, x.dtype).view(signed)
     i = jax.lax.bitcast_convert_type(x, signed)
-    return jax.lax.bitcast_convert_type(jnp.minimum(i, first_nan), x.dtype)
+    return jax.lax.bitcast_convert_type(jnp.minimum(i, quiet_nan), x.dtype)
 
 
 _rounded.defjvp(lambda primals, tangents: (_rounded(*primals), *tangents))  # the identity's
