@@ -834,3 +834,14 @@ def test_rounded_keeps_every_value(dtype):
     nans = np.concatenate([nans, (nans.view(f"uint{info.bits}") | 1).view(dtype)])
     assert np.isnan(np.asarray(jax.jit(_rounded)(jnp.asarray(nans)))).all()
     assert jax.grad(lambda v: _rounded(v * v))(dtype(3.0)) == 6.0
+
+
+def test_a_lambda_is_traced_anew_for_each_schedule():
+    """``python_arithmetic`` traces the lambda on every build (``make_jaxpr`` would reuse a
+    cached trace of the same function, with the value its closure read the first time)."""
+    factor = {"value": 0.5}
+    fn = lambda e: factor["value"] ** e
+    first = S.lambda_lr(1.0, fn).values(2)
+    factor["value"] = 0.25
+    np.testing.assert_array_equal(first, [1.0, 0.5, 0.25])
+    np.testing.assert_array_equal(S.lambda_lr(1.0, fn).values(2), [1.0, 0.25, 0.0625])

@@ -91,7 +91,9 @@ def python_arithmetic(fn: Any, *args: Any) -> Any:
     division, inside nested ``jit`` calls too (``jnp.where``'s); any other primitive is
     bound as traced. Transcendentals stay XLA's: on 200,000 arguments in [0, pi)
     ``jnp.cos``, ``jnp.log`` and ``jnp.power`` gave C's bits, ``jnp.exp`` differed on 13%."""
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    # a fresh function each call: ``make_jaxpr`` caches traces by function, and a lambda
+    # may read a value that changed since (a schedule built again after it did)
+    closed, shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
     out = _eval_rounded(closed.jaxpr, closed.consts, jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shape), out)
 
