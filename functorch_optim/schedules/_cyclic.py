@@ -43,10 +43,8 @@ class _CyclicLR(_Spec):
     def scale_fn(self, x):
         if self.custom is not None and self.eager:  # the facade: a Python int, as torch
             return _f(self.custom(int(x)))
-        if self.custom is not None:
-            return _f(
-                python_arithmetic(self.custom, jnp.asarray(x, jnp.result_type(int)))
-            )  # int64 under x64, as lambda_lr
+        if self.custom is not None:  # int64 under x64, as lambda_lr
+            return _f(python_arithmetic(self.custom, jnp.asarray(x, jnp.result_type(int))))
         if self.mode == "triangular":
             return _f(1.0)
         if self.mode == "triangular2":
