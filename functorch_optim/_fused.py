@@ -236,16 +236,17 @@ def window_scale(divisor: Any, dtype: Any) -> Any:
 
 #: XLA's CPU client runs a program inline, on the calling thread, when its cost analysis
 #: estimates under 1000 flops (and it counts a custom call as none): a step over fewer
-#: elements than this runs inline. ``_async_hint``'s length, and the default's smallest
+#: elements than this runs inline. ``_async_padding``'s length, and the default's smallest
 #: kernel call (``kernel_batches``).
 SMALL_STEP = 1024
 
 
-def _async_hint(param: jax.Array, elements: int) -> jax.Array:
-    """An operand the kernel does not read, worth ``SMALL_STEP`` flops to XLA's cost
-    analysis (an elementwise maximum over that many bytes, computed from an element of
-    ``param``, an argument of the program, so not a folded constant as the scalars may
-    be) when the call updates at least that many ``elements``; one byte otherwise.
+def _async_padding(param: jax.Array, dtype: Any) -> jax.Array:
+    """``SMALL_STEP`` elements the kernel does not read, worth that many flops to XLA's
+    cost analysis: an elementwise maximum computed from an element of ``param``, an
+    argument of the program (so not a folded constant as the scalars may be). The
+    kernel's table (``_call``) ends with them when the call updates at least
+    ``SMALL_STEP`` elements.
 
     XLA's CPU client runs a program it estimates at under 1000 flops inline, on the
     calling thread, and counts a custom call as none: a program that is nothing but the
@@ -255,11 +256,8 @@ def _async_hint(param: jax.Array, elements: int) -> jax.Array:
     on XLA's threads from about a thousand elements (its flops). Measured on 2 cores:
     0.62 -> 0.51 ms for SGD over 100 parameters of 1000 elements, 0.88 -> 0.72 ms for
     Adam. Below that size inline is the faster choice, as it is for the rule."""
-    size = SMALL_STEP if elements >= SMALL_STEP else 1
-    # one byte an element: at most SMALL_STEP bytes of scratch memory (a reduction to
-    # one byte kept them: XLA splits it in two and materializes its input)
-    flag = jax.lax.stop_gradient(param.ravel()[:1] != 0).astype(jnp.uint8)
-    return jnp.maximum(np.arange(size).astype(np.uint8), flag)
+    flag = jax.lax.stop_gradient(param.ravel()[:1] != 0).astype(dtype)
+    return jnp.maximum(np.arange(SMALL_STEP).astype(dtype), flag)
 
 
 def _as(x: jax.Array, dtype: Any) -> jax.Array:
@@ -297,9 +295,15 @@ def _call(
         weight = 1 if window.weight is None else window.weight
         scalars = [*scalars, window_scale(window.divisor, dtype), weight]
         flags = [*flags, has_grad, window.fresh, window.stepping, window.weight is not None]
+    # one table, so one small XLA kernel to compile (each distinct one costs ~10 ms of a
+    # step's compile): per parameter a row of its scalars then its flags (0 or 1) in the
+    # parameters' dtype, then the async padding
     c = caster(dtype)
-    scalars = jnp.stack([jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars], axis=1)
-    flags = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (count,)) for x in flags], axis=1)
+    columns = [jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars]
+    columns += [jnp.broadcast_to(jnp.asarray(x).astype(dtype), (count,)) for x in flags]
+    table = jnp.stack(columns, axis=1).ravel()
+    if sum(x.size for x in params) >= SMALL_STEP:
+        table = jnp.concatenate([table, _async_padding(params[0], dtype)])
     outputs = [*params, *buffers]
     out = jax.ffi.ffi_call(
         target,
@@ -314,9 +318,7 @@ def _call(
         *params,
         *grads,
         *buffers,
-        scalars,
-        flags,
-        _async_hint(params[0], sum(x.size for x in params)),
+        table,
         count=np.int64(count),
         window=window is not None,
         **attrs,
@@ -494,7 +496,7 @@ def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
     leaves (``kernel_leaf``) by dtype, at most ``_LEAVES_PER_CALL`` a call. For the
     default (``auto``) a dtype whose kernel leaves have fewer than ``SMALL_STEP``
     elements in all runs the jitted rule instead: a step that small runs inline either
-    way (``_async_hint``), where the rule's program is the cheaper call (measured: a
+    way (``_async_padding``), where the rule's program is the cheaper call (measured: a
     Linear(10, 1), Adam 25 us a step against the kernel's 35)."""
     groups: dict[Any, list[int]] = {}
     for i, param in enumerate(params):

@@ -283,10 +283,11 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
 
 // ----------------------------------------------------------------------- the call
 // One call updates every parameter of one dtype. ``args`` = params[L], grads[L], then
-// each buffer kind's L arrays (with ``window``, the accumulator last), then scalars
-// [L, S] (the parameters' dtype), flags [L, F] (int32, flags[i][0] = "parameter i takes
-// this step") and a last operand the kernel does not read (``_fused._call``: it keeps
-// XLA's CPU client from running the program inline on the caller's thread); ``rets`` =
+// each buffer kind's L arrays (with ``window``, the accumulator last), then one table in
+// the parameters' dtype: per parameter its S scalars and F flags (0 or 1; flag 0: "this
+// parameter takes this step"), row after row, and after the L rows elements the kernel
+// does not read (``_fused._call``: they keep XLA's CPU client from running the program
+// inline on the caller's thread, and one table is one small XLA kernel to compile); ``rets`` =
 // params[L] and the buffers, each aliasing its argument. The step counters are the jitted
 // code's (parameters that step alike share one). A window call's parameter without a
 // gradient in this call (its gradient flag is 0) may have a one-element stand-in for it.
@@ -298,20 +299,20 @@ struct Leaves {
   std::vector<T*> param;
   std::vector<const T*> grad;  // nullptr: no gradient in this call (window only)
   std::vector<T*> buffer;      // buffer[k * count + i]; the accumulator is kind ``buffers``
-  const T* scalars = nullptr;
-  const int32_t* flags = nullptr;
+  const T* table = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
   T* acc(int64_t i) const { return window ? buffer[buffers * count + i] : nullptr; }
   // parameter i's scalars and flags (flag 0: "takes this step")
-  const T* scalar_row(int64_t i) const { return scalars + i * n_scalars; }
-  const int32_t* flag_row(int64_t i) const { return flags + i * n_flags; }
+  const T* scalar_row(int64_t i) const { return table + i * (n_scalars + n_flags); }
+  const T* flag_row(int64_t i) const { return scalar_row(i) + n_scalars; }
   // the window's flags of parameter i: [has a gradient, fresh, stepping, weighted]; its
   // scale and weight
-  const int32_t* window_flags(int64_t i) const { return flag_row(i + 1) - 4; }
+  const T* window_flags(int64_t i) const { return flag_row(i) + n_flags - 4; }
   WindowScalars<T> window_scalars(int64_t i) const {
     if (!window) return {T(1), T(1), false};
     const bool weighted = window_flags(i)[3] != 0;
-    return {scalar_row(i + 1)[-2], weighted ? scalar_row(i + 1)[-1] : T(1), weighted};
+    const T* s = scalar_row(i) + n_scalars - 2;
+    return {s[0], weighted ? s[1] : T(1), weighted};
   }
 };
 
@@ -323,19 +324,16 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   };
   const int64_t kinds = buffers + (window ? 1 : 0);
   if (window) n_scalars += 2, n_flags += 4;
-  if (count < 1 || static_cast<int64_t>(args.size()) != (2 + kinds) * count + 3 ||
+  if (count < 1 || static_cast<int64_t>(args.size()) != (2 + kinds) * count + 1 ||
       static_cast<int64_t>(rets.size()) != (1 + kinds) * count) {
     return fail("wrong number of operands");
   }
   const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
-  ffi::AnyBuffer scalars = args.get<ffi::AnyBuffer>((2 + kinds) * count).value();
-  ffi::AnyBuffer flags = args.get<ffi::AnyBuffer>((2 + kinds) * count + 1).value();
-  if (scalars.element_type() != dtype || scalars.element_count() != count * n_scalars ||
-      flags.element_type() != ffi::S32 || flags.element_count() != count * n_flags) {
-    return fail("bad scalars or flags");
+  ffi::AnyBuffer table = args.get<ffi::AnyBuffer>((2 + kinds) * count).value();
+  if (table.element_type() != dtype || table.element_count() < count * (n_scalars + n_flags)) {
+    return fail("bad table of scalars and flags");
   }
-  out.scalars = static_cast<const T*>(scalars.untyped_data());
-  out.flags = static_cast<const int32_t*>(flags.untyped_data());
+  out.table = static_cast<const T*>(table.untyped_data());
   out.count = count;
   out.buffers = buffers;
   out.n_scalars = n_scalars;
@@ -366,7 +364,7 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
 // call the window's mean written over the sum (the step itself is skipped).
 template <typename T>
 void WindowWork(const Leaves<T>& x, int64_t i, int64_t lo, int64_t hi) {
-  const int32_t* f = x.window_flags(i);  // has a gradient, fresh, stepping, weighted
+  const T* f = x.window_flags(i);  // has a gradient, fresh, stepping, weighted
   const WindowScalars<T> w = x.window_scalars(i);
   if (!f[2]) return AddLoop(lo, hi, x.acc(i), x.grad[i], bool(f[1]), w);
   WithFlags(
@@ -418,7 +416,7 @@ template <typename T>
 void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maximize) {
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);  // -lr, momentum, 1 - dampening, weight_decay
-    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, step == 1, momentum != 0
+    const T* f = x.flag_row(i);  // active, weight_decay != 0, step == 1, momentum != 0
     WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kWd, auto kUse) {
@@ -437,7 +435,7 @@ template <typename T>
 void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool decoupled) {
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);
-    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, |w| < 0.5
+    const T* f = x.flag_row(i);  // active, weight_decay != 0, |w| < 0.5
     const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
                            maximize ? T(-1) : T(1), bool(f[2])};
     WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
@@ -456,7 +454,7 @@ template <typename T>
 void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);  // -clr, weight_decay, eps
-    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0
+    const T* f = x.flag_row(i);  // active, weight_decay != 0
     WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
       WithFlags(
           [&](auto kWd) {
@@ -474,7 +472,7 @@ template <typename T>
 void RmspropStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool has_momentum, bool centered, bool maximize) {
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);
-    const int32_t* f = x.flag_row(i);  // active, weight_decay != 0, momentum > 0, |1 - alpha| < 0.5
+    const T* f = x.flag_row(i);  // active, weight_decay != 0, momentum > 0, |1 - alpha| < 0.5
     const RmspropScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], maximize ? T(-1) : T(1)};
     T* mb = has_momentum ? x.buf(1, i) : nullptr;
     T* ga = centered ? x.buf(has_momentum ? 2 : 1, i) : nullptr;
