@@ -287,7 +287,7 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
 // the parameters' dtype: per parameter its S scalars and F flags (0 or 1; flag 0: "this
 // parameter takes this step"), row after row, and after the L rows elements the kernel
 // does not read (``_fused._call``: they keep XLA's CPU client from running the program
-// inline on the caller's thread, and one table is one small XLA kernel to compile); ``rets`` =
+// inline on the caller's thread; one operand, where three were three XLA kernels); ``rets`` =
 // params[L] and the buffers, each aliasing its argument. The step counters are the jitted
 // code's (parameters that step alike share one). A window call's parameter without a
 // gradient in this call (its gradient flag is 0) may have a one-element stand-in for it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -194,6 +195,17 @@ def entry_text(compiled: Any) -> str:
     text = compiled.as_text()
     entry = text[text.index("\nENTRY ") :]
     return entry[: entry.index("\n}")]
+
+
+def kernel_table_bytes(compiled: Any) -> int:
+    """The bytes of the tables the kernel calls of a compiled program read (each call's
+    last operand, ``_fused._call``: a row of scalars and flags per parameter, then the
+    async padding), from its HLO: scratch a step holds besides its arrays."""
+    total = 0
+    for layouts in re.findall(r"custom-call\(.*operand_layout_constraints=\{(.*?)\}\}", entry_text(compiled)):
+        bits, dims = re.fullmatch(r"f(\d+)\[([\d,]*)\]\{[\d,]*", layouts.split(", ")[-1]).groups()
+        total += int(np.prod([int(d) for d in dims.split(",") if d])) * int(bits) // 8
+    return total
 
 
 class CompileCounter:

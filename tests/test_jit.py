@@ -11,9 +11,9 @@ import optax
 import pytest
 
 import functorch_optim as fo
-from functorch_optim import _fused
 from functorch_optim._jit import aliased_parameters, unaliased_paths
 from functorch_optim._registry import OPTIMIZERS
+from tests.helpers import kernel_table_bytes
 
 
 def _params(shapes=None):
@@ -97,11 +97,8 @@ def test_compiled_step_aliases_params_state_and_accumulator(name):
         assert extra < known * param_bytes + smallest / 2, (name, extra / param_bytes)
         pytest.xfail(f"{name}: {extra} bytes of temporaries (known and bounded, see KNOWN_TEMPORARIES)")
     # below half the smallest parameter: scalars and small per-step values only (and
-    # where the step calls a kernel, its table: the rows and SMALL_STEP elements of async
-    # padding, in the parameters' dtype)
-    itemsize = max(x.dtype.itemsize for x in jax.tree.leaves(params))
-    hint = (_fused.SMALL_STEP + 64) * itemsize if "custom-call(" in compiled.as_text() else 0
-    assert extra < smallest / 2 + hint, (name, extra, ma.temp_size_in_bytes)
+    # where the step calls a kernel, the table it reads)
+    assert extra < smallest / 2 + kernel_table_bytes(compiled), (name, extra, ma.temp_size_in_bytes)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     assert ma.argument_size_in_bytes == 2 * param_bytes + state_bytes
 
