@@ -49,6 +49,7 @@ from functorch_optim._hyperparams import (
     check_number,
     has_tracer,
     to_python,
+    warn_float32_hparams,
 )
 from functorch_optim._sharding import sharded_init
 from functorch_optim._tree import PyTree, check_like_params, check_params, grad_mask_leaves, is_none
@@ -478,6 +479,7 @@ def make_optimizer(
 
     def init(params: PyTree) -> TorchState:
         check_params(params, allow_empty=True)
+        warn_float32_hparams()
         leaf_buffers = jax.tree.map(lambda p: algorithm.init_leaf(p, static), params)
         names = _buffer_names(leaf_buffers, params)
         buffers = {}

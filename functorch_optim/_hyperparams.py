@@ -9,6 +9,10 @@ schedule.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -25,6 +29,42 @@ Validator = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
 def hparam_dtype() -> jnp.dtype:
     """float64 when ``jax_enable_x64`` is on (torch's Python floats are doubles), else float32."""
     return jnp.dtype(jnp.result_type(float))
+
+
+def warn_float32_hparams() -> None:
+    """Warn, once per process, where the hyperparameters are float32 (``jax_enable_x64``
+    off): torch computes with them as Python doubles (``1 - beta2``, the bias
+    corrections, ``lr / bias_correction1``, ``1 - dampening``), here they are computed in
+    float32, so results can differ from torch's beyond rounding."""
+    if hparam_dtype() != jnp.float64:
+        _warn_float32_hparams()
+
+
+@functools.cache
+def _warn_float32_hparams() -> None:
+    warnings.warn(
+        "jax_enable_x64 is off, so functorch_optim's hyperparameters are float32 and what torch computes "
+        "from them in Python doubles (1 - beta2, bias corrections, lr / bias_correction1, 1 - dampening, "
+        "...) is computed in float32: results can differ from torch's beyond rounding (Adam's second "
+        "moment takes 1 - float32(0.999) = 9.9998713e-04 of the squared gradient where torch takes "
+        "1e-03). For torch's numbers call jax.config.update('jax_enable_x64', True) before building "
+        "optimizers (and give arrays a float32 dtype where you want float32).",
+        UserWarning,
+        stacklevel=_outside_package(),
+    )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first frame outside this package, for a warning raised
+    by the function that calls this one (whatever wrappers are between: an ``init``
+    under ``sharded_init``, ``grad_accumulate``, a facade)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def as_hparam(value: Any, dtype: Any | None = None) -> Any:

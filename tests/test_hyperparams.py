@@ -177,3 +177,63 @@ def test_set_hparams_rejects_non_scalars_naming_the_argument(value, error, messa
             expected = re.escape("'<' not supported between instances of 'str' and 'float'")
         with pytest.raises(error, match=expected):
             fo.set_hparams(state, **{name: value})
+
+
+FLOAT32_HPARAMS = r"""
+import json, sys, warnings
+import jax, jax.numpy as jnp, numpy as np, torch
+if sys.argv[1] == "x64":
+    jax.config.update("jax_enable_x64", True)
+import functorch_optim as fo
+g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx = fo.adam(lr=1e-3)
+    params = {"w": jnp.zeros(1000, jnp.float32)}
+    state = tx.init(params)
+    fo.sgd(lr=0.1).init(params)  # one warning in the process
+    _, state = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))(params, {"w": jnp.asarray(g)}, state)
+w = torch.zeros(1000, requires_grad=True)
+opt = torch.optim.Adam([w], lr=1e-3, foreach=False)
+w.grad = torch.from_numpy(g)
+opt.step()
+mine = np.asarray(state.buffers["exp_avg_sq"]["w"])
+theirs = opt.state[w]["exp_avg_sq"].numpy()
+print(json.dumps({
+    "warnings": [(str(x.message), x.filename) for x in caught],
+    "differ": int(np.sum(mine != theirs)),
+    "rel": float(np.max(np.abs(mine - theirs) / theirs)),
+}))
+"""
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+def test_float32_hyperparameters_are_not_silent(x64, tmp_path):
+    """With ``jax_enable_x64`` off (JAX's default) the hyperparameters are float32 and
+    what torch computes from them in doubles is float32 here: Adam's first second moment
+    is 1.3e-5 relative off torch's on every element (``1 - float32(0.999)``). ``init``
+    says so, once per process, pointing at the caller; with x64 on it is silent and the
+    moment is torch's bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "float32_hparams.py"
+    script.write_text(FLOAT32_HPARAMS)
+    run = subprocess.run(
+        [sys.executable, str(script), "x64" if x64 else "off"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if x64:
+        assert result["warnings"] == [] and result["differ"] == 0
+    else:
+        ((message, filename),) = result["warnings"]
+        assert "jax_enable_x64" in message and "9.9998713e-04" in message
+        assert filename == str(script)  # the warning points at the caller's init
+        assert result["differ"] == 1000 and 1.2e-5 < result["rel"] < 1.4e-5
