@@ -530,7 +530,9 @@ def grad_accumulate(
             return _step(tx, params, reduced, inner, **kwargs)
 
         window = (
-            window_step if window_step is not None and window_step.ready(jax.tree.leaves(params)) else None
+            window_step
+            if window_step is not None and window_step.ready(jax.tree.leaves(params), jax.tree.leaves(grads))
+            else None
         )
         carry = (params, state.inner_state)
         (params, inner), new_state = run(call, grads, state, params, carry, step, window)

@@ -337,9 +337,10 @@ def _counting_kernel_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(KERNEL_OPTIMIZERS))
-def test_equinox_and_nnx_models_take_the_default_kernel_bit_for_bit(name, monkeypatch):
-    # the default's kernel under equinox's filter_jit and flax nnx's Optimizer (counters in
-    # nnx Variables), equal to the rule (fused=False) bit for bit over 6 steps
+def test_equinox_and_nnx_training_steps_take_the_kernel_with_fused_true_bit_for_bit(name, monkeypatch):
+    # the kernel under equinox's filter_jit and flax nnx's Optimizer (counters in nnx
+    # Variables), equal to the rule (fused=False) bit for bit over 6 steps; these steps
+    # compute their gradients, so the default runs the rule there (computed_in_trace)
     make = KERNEL_OPTIMIZERS[name]
     x, y = _kernel_data()
 
@@ -373,10 +374,13 @@ def test_equinox_and_nnx_models_take_the_default_kernel_bit_for_bit(name, monkey
 
     for run in (run_eqx, run_nnx):
         calls = _counting_kernel_calls(monkeypatch)
-        kernel = run(make())
-        assert calls, run.__name__  # the default took the kernel
+        default = run(make())
+        assert not calls, run.__name__  # the default ran the rule
+        kernel = run(make(fused=True))
+        assert calls, run.__name__  # fused=True took the kernel
         rule = run(make(fused=False))
         assert len(kernel) == 4
-        for a, b in zip(kernel, rule):
+        for a, b, c in zip(kernel, rule, default):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(c), np.asarray(b))
         monkeypatch.undo()

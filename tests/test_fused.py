@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import functorch_optim as fo
@@ -596,6 +597,57 @@ def test_the_default_takes_the_kernel_and_fused_false_the_rule(
     assert _kernel_calls(factory(**config, fused=False), params) == 0
     params = _params(jnp.float64)
     assert_bitwise_equal(_run(factory(**config), params), _run(factory(**config, fused=False), params))
+
+
+def _loss(params, x):
+    return jnp.sum(jnp.tanh(x @ params["w"] + params["b"][None]) ** 2)
+
+
+@pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
+def test_a_whole_training_step_takes_the_rule_and_a_step_on_given_gradients_the_kernel(
+    name, factory, config, small_steps_take_the_kernel
+):
+    # forward, backward and the step in one jit: XLA fuses the rule into the backward
+    # pass (computed_in_trace); gradients that come in, or that the step computes from
+    # other values only (clipping, an accumulator), take the kernel
+    params = {
+        "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3),
+        "b": jnp.ones((3,), jnp.float32),
+    }
+    x = jnp.linspace(0.0, 1.0, 8, dtype=jnp.float32).reshape(2, 4)
+
+    def kernel_calls(step, *args):
+        return len(re.findall(r"custom-call\(", jax.jit(step).lower(*args).compile().as_text()))
+
+    def whole(tx):
+        def step(p, s, x):
+            updates, s = tx.update(jax.grad(_loss)(p, x), s, p)
+            return optax.apply_updates(p, updates), s
+
+        return step
+
+    def given(tx):
+        def step(p, g, s):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        return step
+
+    clipped = lambda **kw: optax.chain(optax.clip_by_global_norm(0.5), factory(**config, **kw))
+    accumulated = lambda **kw: fo.grad_accumulate(factory(**config, **kw), every=2)
+    for make in (lambda **kw: factory(**config, **kw), clipped, accumulated):
+        default, fused = make(), make(fused=True)
+        assert kernel_calls(whole(default), params, default.init(params), x) == 0
+        assert kernel_calls(whole(fused), params, fused.init(params), x) >= 1
+        assert kernel_calls(given(default), params, params, default.init(params)) >= 1
+        # the same bits either way
+        out = []
+        for tx in (default, fused):
+            p, s = params, tx.init(params)
+            for k in range(3):
+                p, s = jax.jit(whole(tx))(p, s, x * (k + 1))
+            out.append((p, s))
+        assert_bitwise_equal(out[0], out[1])
 
 
 def _unrolled_loss(tx, params, steps=3):
