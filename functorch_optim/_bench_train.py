@@ -3,7 +3,8 @@
 An optimizer's step is only part of what a user pays: this section jits forward,
 backward and the optimizer step of (a) an MLP of 100 dense layers (200 leaves) and (b) a
 small pre-norm transformer language model (12 layers, 150 leaves), and times them with
-functorch_optim's AdamW (the default, and ``fused=False``), ``optax.adamw`` (jit,
+functorch_optim's AdamW (the default, which runs the jitted rule in such a step, the
+kernel with ``fused=True``, and ``fused=False``), ``optax.adamw`` (jit,
 donated) and torch's AdamW (eager single-tensor, ``foreach``, ``fused``, and the
 ``torch.compile``-d model with ``fused`` AdamW where it compiles), round-robin in one run.
 Reported per contender: step time, compile time (JAX: trace + compile of the whole step;
@@ -32,7 +33,7 @@ import numpy as np
 import optax
 
 import functorch_optim as fo
-from functorch_optim._bench import Contender, TorchSide, peak_memory_units, time_round_robin
+from functorch_optim._bench import Contender, TorchSide, paired_ratio, peak_memory_units, time_round_robin
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 #: (width, batch) of the MLP; (d_model, heads, seq, batch, vocab) of the transformer
@@ -339,6 +340,15 @@ def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int 
                 param_bytes,
             ),
             _jax_contender(
+                "fo adamw fused=True",
+                loss,
+                fo.adamw(LR, weight_decay=WEIGHT_DECAY, fused=True),
+                _fo_apply,
+                params,
+                batch,
+                param_bytes,
+            ),
+            _jax_contender(
                 "fo adamw fused=False",
                 loss,
                 fo.adamw(LR, weight_decay=WEIGHT_DECAY, fused=False),
@@ -378,10 +388,16 @@ def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int 
         }
         row["ratios"] = {
             "fo/optax": times["fo adamw"] / times["optax adamw"],
+            "fo fused=True/optax": times["fo adamw fused=True"] / times["optax adamw"],
             "fo fused=False/optax": times["fo adamw fused=False"] / times["optax adamw"],
         }
         if "torch fused" in times:
             row["ratios"]["fo/torch fused"] = times["fo adamw"] / times["torch fused"]
+        # each rep times every contender once: per-rep ratios cancel the machine's drift
+        row["paired_vs_optax"] = {
+            n: paired_ratio(timings, n, "optax adamw")
+            for n in ("fo adamw", "fo adamw fused=True", "fo adamw fused=False")
+        }
         rows.append(row)
     return rows
 
@@ -402,17 +418,37 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "### Whole training step: forward + backward + AdamW, float32 (median ms)",
         "",
-        "| model | leaves | params | " + " | ".join(names) + " | fo / optax | fo fused=False / optax "
-        "| fo / torch fused |",
-        "|---|---|---|" + "---|" * len(names) + "---|---|---|",
+        "| model | leaves | params | " + " | ".join(names) + " | fo / optax | fo fused=True / optax "
+        "| fo fused=False / optax | fo / torch fused |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|",
     ]
     for r in rows:
         t, q = r["times_ms"], r["ratios"]
         lines.append(
             f"| {r['model']} | {r['leaves']} | {r['params']:,} | "
             + " | ".join(fmt(t.get(n)) for n in names)
-            + f" | {fmt(q['fo/optax'])} | {fmt(q['fo fused=False/optax'])} | {fmt(q.get('fo/torch fused'))} |"
+            + f" | {fmt(q['fo/optax'])} | {fmt(q.get('fo fused=True/optax'))} "
+            f"| {fmt(q['fo fused=False/optax'])} | {fmt(q.get('fo/torch fused'))} |"
         )
+    paired = [r for r in rows if r.get("paired_vs_optax")]
+    if paired:
+        fo_names = list(paired[0]["paired_vs_optax"])
+        lines += [
+            "",
+            "Against optax rep by rep (the median of the per-rep ratios and its 95% interval; "
+            "above 1 beyond the noise where the interval is):",
+            "",
+            "| model | reps | " + " | ".join(f"{n} / optax" for n in fo_names) + " |",
+            "|---|---|" + "---|" * len(fo_names),
+        ]
+        for r in paired:
+            q = r["paired_vs_optax"]
+            cells = [
+                "—" if q[n] is None else f"{q[n]['median']:.2f} ({fmt(q[n]['low'])}–{fmt(q[n]['high'])})"
+                for n in fo_names
+            ]
+            reps = next((q[n]["reps"] for n in fo_names if q[n] is not None), 0)
+            lines.append(f"| {r['model']} | {reps} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Compile time (s; JAX: the whole jitted step, and the optimizer's share: minus forward + "
