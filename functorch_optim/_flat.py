@@ -74,7 +74,7 @@ def ravel_by_dtype(params: PyTree) -> tuple[dict[str, jax.Array], Callable[[dict
         # one ``split`` per dtype, whose transpose (the gradient) is one concatenate; a
         # slice per leaf transposes to a pad per leaf, each the whole buffer's size, which
         # XLA then adds up: a forward + backward + step of an MLP of 8 layers of
-        # 1024x1024 through it took 175 ms, 3x the split's, on 2 cores
+        # 1024x1024 through it took 165 ms, 58 ms with the split, on 2 cores
         parts = {name: iter(jax.lax.split(flat[name], sizes[name])) for name in sizes}
         return treedef.unflatten([next(parts[name]).reshape(shape) for name, shape in layout])
 

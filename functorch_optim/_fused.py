@@ -45,6 +45,8 @@ from jax.extend import core
 from jax.interpreters import batching, mlir
 
 from functorch_optim._base import Algorithm, rule_step
+from functorch_optim._hyperparams import fixed, in_use
+from functorch_optim._torch_ops import caster, decayed_lr, lr_over, step_as_float
 
 try:  # what a traced value's producer is: JAX internals, read for the default's choice only
     from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JaxprTracer
@@ -56,9 +58,6 @@ except (ImportError, AttributeError, TypeError):  # another JAX: every step may 
     class _JaxprTracer:  # type: ignore[no-redef]
         parent = None
 
-
-from functorch_optim._hyperparams import fixed, in_use
-from functorch_optim._torch_ops import caster, decayed_lr, lr_over, step_as_float
 
 _HERE = Path(__file__).resolve().parent
 _LIBRARY = "_fused_kernels"  # the build's library: _fused_kernels<extension suffix>, beside this module
