@@ -733,10 +733,24 @@ DEFAULT_COMPILE_PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = 
 }
 
 
-def _compile_seconds(fn: Callable, *args: Any) -> float:
+def cold_compile_seconds(jitted: Callable[[], Any]) -> float:
+    """Seconds to trace, lower and compile ``jitted()`` (a ``jit(...).lower(...).compile()``)
+    as the first compile of its program in a process: JAX's in-memory caches are cleared
+    first, so no trace, nested ``jit`` (this package's per-shape rule, ``_staged_rule``) or
+    lowering that an earlier round or row cached is reused (a later round of one
+    contender would otherwise be timed partly warm, and one library more than another).
+    What a process does once whatever it compiles (LLVM's set-up, this package's FMA
+    probe) stays done: the sections time a warm-up round first and discard it."""
+    jax.clear_caches()
     t0 = time.perf_counter()
-    jax.jit(fn, donate_argnums=(0, 2), keep_unused=True).lower(*args).compile()
+    jitted()
     return time.perf_counter() - t0
+
+
+def _compile_seconds(fn: Callable, *args: Any) -> float:
+    return cold_compile_seconds(
+        lambda: jax.jit(fn, donate_argnums=(0, 2), keep_unused=True).lower(*args).compile()
+    )
 
 
 def compile_rounds(n_leaves: int) -> int:
@@ -748,6 +762,9 @@ def compile_rounds(n_leaves: int) -> int:
 
 def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000) -> list[dict[str, Any]]:
     rows = []
+    # a warm-up round, discarded: the process's one-time costs land on no contender
+    warm = as_tree([jnp.zeros((leaf_size,), jnp.float32) for _ in range(2)])
+    _compile_round(warm, warm)
     for n_leaves in leaf_counts:
         rounds = compile_rounds(n_leaves)
         log(f"compile: {n_leaves} leaves of {leaf_size}, median of {rounds}")

@@ -7,8 +7,9 @@ functorch_optim's AdamW (the default, which runs the jitted rule in such a step,
 kernel with ``fused=True``, and ``fused=False``), ``optax.adamw`` (jit,
 donated) and torch's AdamW (eager single-tensor, ``foreach``, ``fused``, and the
 ``torch.compile``-d model with ``fused`` AdamW where it compiles), round-robin in one run.
-Reported per contender: step time, compile time (JAX: trace + compile of the whole step;
-also of forward + backward alone, so the optimizer's share is the difference; torch
+Reported per contender: step time, compile time (JAX: trace + compile of the whole step,
+the median of cold compiles with JAX's caches cleared before each; also of forward +
+backward alone, so the optimizer's share is the difference; torch
 eager: none; ``torch.compile``: its first step minus a later one, compiled cold, with
 inductor's on-disk cache in a fresh directory; JAX's persistent cache is off as well) and
 peak memory (JAX: from XLA's buffer assignment; torch on the CPU keeps no peak counter,
@@ -22,6 +23,7 @@ import contextlib
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +35,18 @@ import numpy as np
 import optax
 
 import functorch_optim as fo
-from functorch_optim._bench import Contender, TorchSide, paired_ratio, peak_memory_units, time_round_robin
+from functorch_optim._bench import (
+    Contender,
+    TorchSide,
+    cold_compile_seconds,
+    paired_ratio,
+    peak_memory_units,
+    time_round_robin,
+)
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
+#: cold compiles per JAX contender (and of forward + backward alone) in a full run
+COMPILE_ROUNDS = 3
 #: (width, batch) of the MLP; (d_model, heads, seq, batch, vocab) of the transformer
 FULL = {"mlp": (256, 64), "transformer": (128, 4, 64, 8, 512)}
 QUICK = {"mlp": (32, 8), "transformer": (32, 2, 16, 2, 64)}
@@ -213,9 +224,11 @@ def _jax_contender(name, loss, tx, apply, params, batch, param_bytes):
 
     params = jax.tree.map(jnp.array, params)
     state = tx.init(params)
-    t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch).compile()
-    compile_s = time.perf_counter() - t0
+
+    def compile_step() -> Any:
+        return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch).compile()
+
+    compiled = compile_step()
     box = {"p": params, "s": state}
 
     def run():
@@ -223,7 +236,23 @@ def _jax_contender(name, loss, tx, apply, params, batch, param_bytes):
         value.block_until_ready()
 
     memory = peak_memory_units(compiled, param_bytes)
-    return Contender(name, run, memory=memory, extra={"compile_s": compile_s})
+    # ``compile_step`` lowers from the first params and state: time it before ``run``
+    # donates them (``compile_seconds``)
+    return Contender(name, run, memory=memory, extra={"compile": compile_step})
+
+
+def compile_seconds(compilers: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Per name, the median seconds of ``rounds`` cold compiles (``cold_compile_seconds``:
+    JAX's caches cleared before each), the names interleaved round by round after one
+    discarded warm-up round. A single compile per contender, the first of them paying
+    what a process does once, put the first contender 0.5 s behind in a 2 s compile."""
+    for compile_fn in compilers.values():
+        compile_fn()
+    samples: dict[str, list[float]] = {name: [] for name in compilers}
+    for _ in range(rounds):
+        for name, compile_fn in compilers.items():
+            samples[name].append(cold_compile_seconds(compile_fn))
+    return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
 def _fo_apply(tx, p, g, s):
@@ -326,9 +355,8 @@ def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int 
         n_params = sum(x.size for x in leaves)
         param_bytes = sum(x.nbytes for x in leaves)
         log(f"train {kind}: {len(leaves)} leaves, {n_params:,} params")
-        t0 = time.perf_counter()
-        jax.jit(jax.value_and_grad(loss)).lower(jax.tree.map(jnp.asarray, params), *batch).compile()
-        fwd_bwd_compile = time.perf_counter() - t0
+        jax_params = jax.tree.map(jnp.asarray, params)
+        fwd_bwd = lambda: jax.jit(jax.value_and_grad(loss)).lower(jax_params, *batch).compile()  # noqa: B023
         contenders = [
             _jax_contender(
                 "fo adamw",
@@ -368,9 +396,14 @@ def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int 
             ),
             *_torch_contenders(torch, kind, params, heads, batch, log),
         ]
+        rounds = 1 if quick else COMPILE_ROUNDS
+        log(f"train {kind}: compile times, median of {rounds} cold compiles each")
+        jax_compilers = {c.name: c.extra.pop("compile") for c in contenders if "compile" in c.extra}
+        compiled_s = compile_seconds({"forward + backward": fwd_bwd, **jax_compilers}, rounds)
+        fwd_bwd_compile = compiled_s.pop("forward + backward")
         timings = time_round_robin(contenders, reps, settle=settle)
         times = {c.name: 1e3 * timings[c.name]["median_s"] for c in contenders}
-        compile_s = {c.name: c.extra["compile_s"] for c in contenders if "compile_s" in c.extra}
+        compile_s = compiled_s | {c.name: c.extra["compile_s"] for c in contenders if "compile_s" in c.extra}
         row = {
             "model": kind,
             "leaves": len(leaves),
@@ -379,6 +412,7 @@ def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int 
             "times_ms": times,
             "spread": {c.name: timings[c.name]["spread"] for c in contenders},
             "compile_s": compile_s,
+            "compile_rounds": rounds,
             "fwd_bwd_compile_s": fwd_bwd_compile,
             "optimizer_compile_s": {
                 k: v - fwd_bwd_compile for k, v in compile_s.items() if not k.startswith("torch")
@@ -451,7 +485,9 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {r['model']} | {reps} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Compile time (s; JAX: the whole jitted step, and the optimizer's share: minus forward + "
+        "Compile time (s; JAX: the whole jitted step, the median of "
+        f"{rows[0].get('compile_rounds', 1)} cold compiles (JAX's caches cleared before each, "
+        "after a discarded warm-up round), and the optimizer's share: minus forward + "
         "backward alone; torch.compile: first step minus a later one) and peak memory (XLA's "
         "buffer assignment, MiB and × the parameters' size; torch on the CPU has no peak counter):",
         "",
