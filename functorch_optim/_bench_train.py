@@ -329,8 +329,11 @@ def _torch_contenders(torch: TorchSide | None, kind, params, heads, batch, log) 
     return out
 
 
-def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int = 1) -> list[dict[str, Any]]:
-    """The whole-step rows: one per model."""
+def bench_train(
+    quick: bool, reps: int, log: Callable[[str], None], settle: int = 1, compile_rounds: int | None = None
+) -> list[dict[str, Any]]:
+    """The whole-step rows: one per model; compile times the median of ``compile_rounds``
+    cold compiles per contender (default ``COMPILE_ROUNDS``; 1 with ``quick``)."""
     sizes = QUICK if quick else FULL
     torch = _torch_side()
     rows = []
@@ -396,7 +399,7 @@ def bench_train(quick: bool, reps: int, log: Callable[[str], None], settle: int 
             ),
             *_torch_contenders(torch, kind, params, heads, batch, log),
         ]
-        rounds = 1 if quick else COMPILE_ROUNDS
+        rounds = compile_rounds or (1 if quick else COMPILE_ROUNDS)
         log(f"train {kind}: compile times, median of {rounds} cold compiles each")
         jax_compilers = {c.name: c.extra.pop("compile") for c in contenders if "compile" in c.extra}
         compiled_s = compile_seconds({"forward + backward": fwd_bwd, **jax_compilers}, rounds)

@@ -425,3 +425,52 @@ def test_train_rows_report_cold_compile_times_and_the_optimizer_share(result):
                 row["compile_s"][n] - row["fwd_bwd_compile_s"]
             )
     assert "the median of 1 cold compiles" in result["md"]
+
+
+def test_the_gpu_script_runs_every_part_with_arguments_the_cli_takes(tmp_path):
+    # benchmarks/gpu.sh is the issue's GPU run for a session lent a GPU: its commands
+    # must parse here, where it cannot run (a shim interpreter parses each bench command
+    # line with the CLI's own parser and records it; the backend check runs for real)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    log = tmp_path / "argv.log"
+    shim = tmp_path / "python"
+    shim.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-" ]; then exec {sys.executable} -; fi\n'
+        f'echo "$@" >> {log}\n'
+        f"exec {sys.executable} -c 'import sys; from functorch_optim.__main__ import build_parser; "
+        'build_parser().parse_args(sys.argv[3:])\' "$@"\n'
+    )
+    shim.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(shim), "ALLOW_CPU": "1", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu.sh"), str(tmp_path / "out")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3
+    steps, train, merge = lines
+    assert "--sections sgd adam adamw adagrad --sizes 1e8x1 1e8x200" in steps
+    assert "--sections train" in train and "--compile-rounds 1" in train
+    assert "--from-json" in merge and merge.endswith("--no-plot")
+    # without a GPU and without ALLOW_CPU it stops before measuring anything
+    env.pop("ALLOW_CPU")
+    refused = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu.sh"), str(tmp_path / "out2")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0 and "not a GPU" in refused.stderr
