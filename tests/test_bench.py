@@ -448,14 +448,19 @@ def test_the_gpu_script_runs_every_part_with_arguments_the_cli_takes(tmp_path):
     )
     shim.chmod(0o755)
     env = {**os.environ, "PYTHON": str(shim), "ALLOW_CPU": "1", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu.sh"), str(tmp_path / "out")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def gpu_sh(out: str) -> subprocess.CompletedProcess:
+        script = root / "benchmarks" / "gpu.sh"
+        return subprocess.run(
+            ["bash", str(script), str(tmp_path / out)],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    run = gpu_sh("out")
     assert run.returncode == 0, run.stderr[-3000:]
     lines = log.read_text().splitlines()
     assert len(lines) == 3
@@ -465,12 +470,5 @@ def test_the_gpu_script_runs_every_part_with_arguments_the_cli_takes(tmp_path):
     assert "--from-json" in merge and merge.endswith("--no-plot")
     # without a GPU and without ALLOW_CPU it stops before measuring anything
     env.pop("ALLOW_CPU")
-    refused = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu.sh"), str(tmp_path / "out2")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    refused = gpu_sh("out2")
     assert refused.returncode != 0 and "not a GPU" in refused.stderr
