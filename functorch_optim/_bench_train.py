@@ -245,7 +245,8 @@ def compile_seconds(compilers: dict[str, Callable[[], Any]], rounds: int) -> dic
     """Per name, the median seconds of ``rounds`` cold compiles (``cold_compile_seconds``:
     JAX's caches cleared before each), the names interleaved round by round after one
     discarded warm-up round. A single compile per contender, the first of them paying
-    what a process does once, put the first contender 0.5 s behind in a 2 s compile."""
+    what a process does once, had one program at 2.75 s as the first contender and 2.08 s
+    as the third (run ``i``, the MLP)."""
     for compile_fn in compilers.values():
         compile_fn()
     samples: dict[str, list[float]] = {name: [] for name in compilers}
