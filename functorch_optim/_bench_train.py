@@ -6,7 +6,8 @@ small pre-norm transformer language model (12 layers, 150 leaves), and times the
 functorch_optim's AdamW (the default, which runs the jitted rule in such a step, the
 kernel with ``fused=True``, and ``fused=False``), ``optax.adamw`` (jit,
 donated) and torch's AdamW (eager single-tensor, ``foreach``, ``fused``, and the
-``torch.compile``-d model with ``fused`` AdamW where it compiles), round-robin in one run.
+``torch.compile``-d model with ``fused`` AdamW where it compiles; on CUDA where JAX runs
+on a GPU, each step timed to the device's end), round-robin in one run.
 Reported per contender: step time, compile time (JAX: trace + compile of the whole step,
 the median of cold compiles with JAX's caches cleared before each; also of forward +
 backward alone, so the optimizer's share is the difference; torch
@@ -287,19 +288,22 @@ def cold_inductor_cache() -> Iterator[str]:
 
 
 def _torch_contenders(torch: TorchSide | None, kind, params, heads, batch, log) -> list[Contender]:
-    if torch is None or torch.device != "cpu":
+    """torch's AdamW steps of the same model on ``torch.device`` (CUDA where JAX runs on a
+    GPU): each timed call waits for the device (``TorchSide.timed``), as a JAX step's
+    does."""
+    if torch is None:
         return []
-    t = torch.torch
+    t, device = torch.torch, torch.device
     if kind == "mlp":
-        x, y = (t.as_tensor(np.array(a)) for a in batch)  # a writable copy
+        x, y = (t.as_tensor(np.array(a), device=device) for a in batch)  # a writable copy
         forward = lambda model: t.mean((model(x) - y) ** 2)
     else:
-        tokens = t.as_tensor(np.array(batch[0]), dtype=t.long)
+        tokens = t.as_tensor(np.array(batch[0]), dtype=t.long, device=device)
         forward = lambda model: model(tokens)
     out = []
     flavours = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     for flavour, flags in [*flavours.items(), ("compile fused", {"fused": True})]:
-        model = torch_model(t, kind, params, heads)
+        model = torch_model(t, kind, params, heads).to(device)
         opt = t.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **flags)
         extra: dict[str, Any] = {}
         if flavour == "compile fused":
@@ -309,11 +313,12 @@ def _torch_contenders(torch: TorchSide | None, kind, params, heads, batch, log) 
                 log(f"train {kind}: torch.compile unavailable ({type(error).__name__}: {error})")
                 continue
 
-        def run(model=model, opt=opt):
+        def step(model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
             forward(model).backward()
             opt.step()
 
+        run = torch.timed(step)
         if flavour == "compile fused":
             try:
                 with cold_inductor_cache():

@@ -472,3 +472,42 @@ def test_the_gpu_script_runs_every_part_with_arguments_the_cli_takes(tmp_path):
     env.pop("ALLOW_CPU")
     refused = gpu_sh("out2")
     assert refused.returncode != 0 and "not a GPU" in refused.stderr
+
+
+def test_whole_step_torch_steps_are_timed_to_the_device_s_end(monkeypatch):
+    # on a GPU the train section puts torch's models on CUDA, whose steps return before
+    # the device is done: every torch contender's call must go through TorchSide.timed
+    # (a wait for the device), as on the CPU, where the wait is nothing
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from functorch_optim import _bench_train
+    from functorch_optim._bench import TorchSide
+
+    waits = []
+
+    class CountingSide(TorchSide):
+        def timed(self, fn):
+            def run():
+                fn()
+                waits.append(fn)
+
+            return run
+
+    monkeypatch.setattr(torch, "compile", lambda model: model)  # its compile takes minutes
+    rng = np.random.default_rng(0)
+    width, batch_size = _bench_train.QUICK["mlp"]
+    params = _bench_train.mlp_params(width, rng)
+    batch = tuple(jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32) for _ in range(2))
+    contenders = _bench_train._torch_contenders(CountingSide(torch, "cpu"), "mlp", params, 0, batch, print)
+    assert [c.name for c in contenders] == [
+        "torch eager",
+        "torch foreach",
+        "torch fused",
+        "torch compile fused",
+    ]
+    assert len(waits) == 2  # the compiled contender's first and second call, timed for its compile
+    for contender in contenders:
+        contender.run()
+    assert len(waits) == 2 + len(contenders)
