@@ -94,3 +94,42 @@ def test_errors_name_the_problem():
     _, unravel = fo.ravel_by_dtype({"w": jnp.zeros(3)})
     with pytest.raises(ValueError, match=r"a leaf has shape \(4,\), expected \(3,\)"):
         unravel.ravel({"w": jnp.zeros(4)})
+
+
+def test_a_torch_modules_parameters_flat_step_like_torch_bit_for_bit():
+    # the layout as a port uses it: a torch module's own parameters (two dtypes, in
+    # named_parameters() order) and backward() gradients, packed with ravel, AdamW
+    # stepped in the flat buffers; unravelled, the parameters equal torch's after every step
+    torch = pytest.importorskip("torch")
+    from functorch_optim.interop.torch import flatten_names, grads_from_module, tree_from_module
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(
+                torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+            ).double()
+            self.temperature = torch.nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=torch.float32))
+
+        def forward(self, x):
+            return self.body(x) * self.temperature.double()
+
+    torch.manual_seed(0)
+    model = Model()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    flat, unravel = fo.ravel_by_dtype(tree_from_module(model))
+    assert sorted(flat) == ["float32", "float64"] and flat["float64"].shape == (4 * 3 + 4 + 2 * 4 + 2,)
+    tx = fo.adamw(lr=0.05)
+    state = tx.init(flat)
+    step = jax.jit(lambda p, g, s: fo.step(tx, p, g, s))
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        flat, state = step(flat, unravel.ravel(grads_from_module(model)), state)
+        opt.step()
+        back = flatten_names(tree_from_module(model))
+        ours = flatten_names(unravel(flat))
+        assert list(ours) == list(back)
+        for name, value in ours.items():
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(back[name]), err_msg=name)
