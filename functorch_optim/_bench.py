@@ -747,10 +747,27 @@ def cold_compile_seconds(jitted: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _compile_seconds(fn: Callable, *args: Any) -> float:
-    return cold_compile_seconds(
-        lambda: jax.jit(fn, donate_argnums=(0, 2), keep_unused=True).lower(*args).compile()
-    )
+def compile_seconds(
+    compilers: dict[str, Callable[[], Any]], rounds: int, warmup: bool = True
+) -> dict[str, float]:
+    """Per name, the median seconds of ``rounds`` cold compiles (``cold_compile_seconds``),
+    the names interleaved round by round, after one discarded warm-up compile of each
+    (``warmup``). A single compile per contender, the first of them paying what a process
+    does once, had one program at 2.75 s as the first contender of the whole-step
+    section and 2.08 s as the third (run ``i``, the MLP)."""
+    if warmup:
+        for compile_fn in compilers.values():
+            compile_fn()
+    samples: dict[str, list[float]] = {name: [] for name in compilers}
+    for _ in range(rounds):
+        for name, compile_fn in compilers.items():
+            samples[name].append(cold_compile_seconds(compile_fn))
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def _step_compiler(fn: Callable, *args: Any) -> Callable[[], Any]:
+    """The compile of ``fn`` jitted as the bench's steps are (params and state donated)."""
+    return lambda: jax.jit(fn, donate_argnums=(0, 2), keep_unused=True).lower(*args).compile()
 
 
 def compile_rounds(n_leaves: int) -> int:
@@ -762,22 +779,17 @@ def compile_rounds(n_leaves: int) -> int:
 
 def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000) -> list[dict[str, Any]]:
     rows = []
-    # a warm-up round, discarded: the process's one-time costs land on no contender
+    # a warm-up round over 2 leaves, discarded: the process's one-time costs land on no
+    # contender (each compile after it is cold: ``cold_compile_seconds``)
     warm = as_tree([jnp.zeros((leaf_size,), jnp.float32) for _ in range(2)])
-    _compile_round(warm, warm)
+    for compile_fn in _compilers(warm, warm).values():
+        compile_fn()
     for n_leaves in leaf_counts:
         rounds = compile_rounds(n_leaves)
         log(f"compile: {n_leaves} leaves of {leaf_size}, median of {rounds}")
         params = as_tree([jnp.zeros((leaf_size,), jnp.float32) for _ in range(n_leaves)])
-        grads = params
-        row: dict[str, Any] = {"leaves": n_leaves, "leaf_size": leaf_size, "rounds": rounds, "seconds": {}}
-        samples: dict[str, list[float]] = {}
-        for _ in range(rounds):
-            # fresh optimizers every round: a second compile of one function is a cache hit
-            for name, seconds in _compile_round(params, grads).items():
-                samples.setdefault(name, []).append(seconds)
-        row["seconds"] = {name: statistics.median(ts) for name, ts in samples.items()}
-        s = row["seconds"]
+        s = compile_seconds(_compilers(params, params), rounds, warmup=False)
+        row: dict[str, Any] = {"leaves": n_leaves, "leaf_size": leaf_size, "rounds": rounds, "seconds": s}
         row["ratios"] = {
             "fo sgd/optax sgd": _ratio(s, "fo sgd", "optax sgd"),
             "fo grad_accumulate/optax MultiSteps": _ratio(s, "fo grad_accumulate", "optax MultiSteps"),
@@ -798,8 +810,8 @@ def bench_compile(leaf_counts, log: Callable[[str], None], leaf_size: int = 1000
     return rows
 
 
-def _compile_round(params: Any, grads: Any) -> dict[str, float]:
-    """Each compile-section contender compiled once (seconds), in one process."""
+def _compilers(params: Any, grads: Any) -> dict[str, Callable[[], Any]]:
+    """Each compile-section contender's compile (trace, lower, XLA) over ``params``."""
     candidates: dict[str, tuple[Any, Callable]] = {
         "fo sgd": (fo_sgd(), fo_step_fn),
         "optax sgd": (optax_sgd(), optax_step_fn),
@@ -821,9 +833,10 @@ def _compile_round(params: Any, grads: Any) -> dict[str, float]:
     for name, (fo_tx, optax_tx) in DEFAULT_COMPILE_PAIRS.items():
         candidates[f"fo {name}"] = (fo_tx(), fo_step_fn)
         candidates[f"optax {name}"] = (optax_tx(), optax_step_fn)
-    seconds: dict[str, float] = {}
-    for name, (tx, make) in candidates.items():
-        seconds[name] = _compile_seconds(make(tx), params, grads, tx.init(params))
+    compilers = {
+        name: _step_compiler(make(tx), params, grads, tx.init(params))
+        for name, (tx, make) in candidates.items()
+    }
     # the flat layout: the step sees one buffer whatever the number of leaves
     flat, _ = fo.ravel_by_dtype(params)
     for name, tx in (
@@ -831,8 +844,8 @@ def _compile_round(params: Any, grads: Any) -> dict[str, float]:
         ("fo adam flat", fo_adam()),
         ("fo grad_accumulate flat", fo.grad_accumulate(fo_sgd(), every=ACCUMULATE_EVERY)),
     ):
-        seconds[name] = _compile_seconds(fo_step_fn(tx), flat, flat, tx.init(flat))
-    return seconds
+        compilers[name] = _step_compiler(fo_step_fn(tx), flat, flat, tx.init(flat))
+    return compilers
 
 
 # --------------------------------------------------------------------------- targets
@@ -1134,7 +1147,7 @@ def markdown(result: dict[str, Any]) -> str:
         rounds = {r["leaves"]: r.get("rounds", 1) for r in result["compile"]}
         lines += [
             "",
-            "Compiles per cell (fresh optimizers for each): "
+            "Cold compiles per cell (JAX's caches cleared before each): "
             + ", ".join(f"{k} leaves {'one' if n == 1 else f'the median of {n}'}" for k, n in rounds.items())
             + ".",
         ]

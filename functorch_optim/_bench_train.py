@@ -24,7 +24,6 @@ import contextlib
 import math
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +38,7 @@ import functorch_optim as fo
 from functorch_optim._bench import (
     Contender,
     TorchSide,
-    cold_compile_seconds,
+    compile_seconds,
     paired_ratio,
     peak_memory_units,
     time_round_robin,
@@ -240,21 +239,6 @@ def _jax_contender(name, loss, tx, apply, params, batch, param_bytes):
     # ``compile_step`` lowers from the first params and state: time it before ``run``
     # donates them (``compile_seconds``)
     return Contender(name, run, memory=memory, extra={"compile": compile_step})
-
-
-def compile_seconds(compilers: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Per name, the median seconds of ``rounds`` cold compiles (``cold_compile_seconds``:
-    JAX's caches cleared before each), the names interleaved round by round after one
-    discarded warm-up round. A single compile per contender, the first of them paying
-    what a process does once, had one program at 2.75 s as the first contender and 2.08 s
-    as the third (run ``i``, the MLP)."""
-    for compile_fn in compilers.values():
-        compile_fn()
-    samples: dict[str, list[float]] = {name: [] for name in compilers}
-    for _ in range(rounds):
-        for name, compile_fn in compilers.items():
-            samples[name].append(cold_compile_seconds(compile_fn))
-    return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
 def _fo_apply(tx, p, g, s):

@@ -385,8 +385,7 @@ def test_every_compile_is_timed_cold_traced_and_lowered_again():
     import jax
     import jax.numpy as jnp
 
-    from functorch_optim._bench import cold_compile_seconds
-    from functorch_optim._bench_train import compile_seconds
+    from functorch_optim._bench import cold_compile_seconds, compile_seconds
 
     traces = []
 
