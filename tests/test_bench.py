@@ -510,3 +510,39 @@ def test_whole_step_torch_steps_are_timed_to_the_device_s_end(monkeypatch):
     for contender in contenders:
         contender.run()
     assert len(waits) == 2 + len(contenders)
+
+
+def test_the_shape_kernels_ablations_each_change_the_rule_and_restore_the_package():
+    # benchmarks/shape_kernels.py compiles the rule with a measure of its exactness
+    # replaced, by patching the package while it traces: each variant must be its own
+    # program (the nested per-shape ``jit`` keeps the first trace unless JAX's caches are
+    # cleared, so a stale patch would compile every variant to the rule), and the
+    # package must be itself again afterwards
+    import runpy
+    from pathlib import Path
+
+    from functorch_optim import _adam, _base, _torch_ops
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "shape_kernels.py"))
+    originals = {
+        (_torch_ops, "stored"): _torch_ops.stored,
+        (_adam, "true_divide"): _adam.true_divide,
+        (_adam, "lerp_fma"): _adam.lerp_fma,
+        (_base, "_staged_rule"): _base._staged_rule,
+    }
+
+    def ops(variant):
+        text = script["lowered"]("mlp", variant).as_text()
+        assert all(getattr(*key) is value for key, value in originals.items()), variant
+        return {op: text.count(f"stablehlo.{op}") for op in ("select", "optimization_barrier", "divide")}
+
+    rule = ops("rule")
+    single = {v: ops(v) for v in ("unstored", "plain-divide", "plain-lerp")}
+    unguarded = ops("unguarded")
+    # stored and the exact divisor are selects; the lerp's branch on its weight too
+    for variant, counts in single.items():
+        assert counts["select"] < rule["select"], (variant, counts, rule)
+        assert unguarded["select"] < counts["select"], (variant, counts, unguarded)
+    assert single["plain-divide"]["divide"] == rule["divide"]  # the division stays
+    assert ops("barrier")["optimization_barrier"] > rule["optimization_barrier"]
+    assert rule == ops("rule")  # the package's rule again, not a variant's trace
