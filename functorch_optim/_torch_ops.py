@@ -125,11 +125,17 @@ def _contracted_fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
 
 def cpu_contracts_fma(dtype: Any) -> bool:
     """Whether XLA on this machine's CPU computes ``_contracted_fma`` in ``dtype``
-    (float32 or float64) as one rounding: probed once per dtype on ``(1 + e)**2 - (1 +
-    2e)`` (``e`` the dtype's epsilon), which is ``e**2`` rounded once and 0 rounded
-    twice, over a vector loop and its scalar tail. False for other dtypes, for float64
-    while it is not enabled, and where JAX has no CPU device; False too where XLA may not
-    use FMA instructions (a CPU without them, or ``--xla_cpu_max_isa`` below AVX2)."""
+    (float32 or float64) as one rounding in every loop it was probed in: once per dtype,
+    on ``(1 + e)**2 - (1 + 2e)`` (``e`` the dtype's epsilon), which is ``e**2`` rounded
+    once and 0 rounded twice, over a vector loop and its scalar tail, and over arrays of
+    8 and 37 rows of 2 to 16 elements, with the addend (or the product's operand) itself a
+    product or a select, as the rules compute it. LLVM may vectorize such short rows
+    across rows, and there its x86-64-v4 (AVX-512) code generation has been seen to drop
+    the contraction (an AMD EPYC, 2026-12-07: rows of 3 to 8 elements, float32 and
+    float64): where any probe is not rounded once, ``fma`` is the exact emulation.
+    False for other dtypes, for float64 while it is not enabled, and where JAX has no CPU
+    device; False too where XLA may not use FMA instructions (a CPU without them, or
+    ``--xla_cpu_max_isa`` below AVX2)."""
     dtype = np.dtype(dtype)
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         return False
@@ -147,14 +153,32 @@ def _probe_contraction(dtype: np.dtype) -> bool:
     except RuntimeError:
         return False
     eps = np.finfo(dtype).eps
-    n = 67  # vector loop iterations and a tail
-    a = np.full(n, 1 + eps, dtype)
-    c = np.full(n, -(1 + 2 * eps), dtype)
+    # a vector loop and a tail, then rows too short for a vector of their own
+    shapes = [(67,), (8, 8), *((37, k) for k in (2, 3, 5, 6, 7, 8, 12, 16))]
+    a = [np.full(shape, 1 + eps, dtype) for shape in shapes]
+    c = [np.full(shape, -(1 + 2 * eps), dtype) for shape in shapes]
+    one = np.ones((), dtype)
     # run now, also while a caller's step is being traced (the answer decides its program)
     with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
-        args = [jax.device_put(x, cpu) for x in (a, a, c)]
-        out = np.asarray(jax.jit(_contracted_fma)(*args))
-    return bool(np.all(out == dtype.type(eps) * dtype.type(eps)))
+        args = jax.device_put((a, c, one), cpu)
+        outs = jax.jit(_contraction_probes)(*args)
+    return all(bool(np.all(np.asarray(out) == dtype.type(eps) * dtype.type(eps))) for out in outs)
+
+
+def _contraction_probes(a: list, c: list, one: jax.Array) -> list:
+    # ``one`` is 1 at run time (XLA cannot fold the products by it): a plain addend, a
+    # product as the addend, a select as the addend, a product as the multiplicand, and
+    # a negated one (centered RMSprop's ``square_avg - grad_avg**2``, here -e**2)
+    out = []
+    for x, z in zip(a, c):
+        out += [
+            _contracted_fma(x, x, z),
+            _contracted_fma(x * one, x, z * one),
+            _contracted_fma(x, x, jnp.where(one > 0, z * one, x)),
+            _contracted_fma(x, x * one, z),
+            -_contracted_fma(-(x * one), x * one, -z),
+        ]
+    return out
 
 
 def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
