@@ -510,7 +510,7 @@ def computed_in_trace(params: list[Any], grads: list[Any]) -> bool:
     facade) or computing them from other values only (a clipping transformation before
     this one, ``grad_accumulate``'s accumulator plus the gradient).
 
-    There the default runs the jitted rule: XLA fuses each parameter's update into the
+    There the default runs the jitted rule (``rule_in_trace``): XLA fuses each parameter's update into the
     backward pass and runs it as soon as that gradient exists, beside the rest of the
     backward pass, where one kernel call over many parameters waits for the last of
     their gradients and reads every one back from memory (measured on 2 cores: an MLP
@@ -548,7 +548,7 @@ def rule_in_trace(params: list[Any], grads: list[Any]) -> bool:
     rounds twice below 2**-78, 2**-916 in float64)."""
     if not computed_in_trace(params, grads):
         return False
-    return all(cpu_contracts_fma(p.dtype) for p in params if kernel_leaf(p))
+    return all(cpu_contracts_fma(d) for d in {p.dtype for p in params if kernel_leaf(p)})
 
 
 def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
@@ -625,7 +625,7 @@ class FusedWindow:
         every non-empty parameter takes the kernel (``kernel_batches``: one call covers
         every parameter, so a tree with a bfloat16 one, or for the default a dtype of
         fewer than ``SMALL_STEP`` elements, runs the jitted path), and for the default the
-        trace does not compute the gradients (``computed_in_trace``); otherwise
+        trace does not take the rule (``rule_in_trace``); otherwise
         grad_accumulate runs the jitted path."""
         if not _kernels_apply(self.auto) or (self.auto and rule_in_trace(params, grads)):
             return False
