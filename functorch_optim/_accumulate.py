@@ -217,10 +217,17 @@ class _Window:
         static = divisor if divisor is None or isinstance(divisor, int) else "array"
         treedef = jax.tree.structure(acc)
         g_leaves = treedef.flatten_up_to(grads)
+        a_leaves = treedef.flatten_up_to(acc)
         masks = call.mask if call.mask is not None else [None] * len(g_leaves)
+        if static == "array":
+            # a vector divisor's scales computed once per dtype, for every parameter
+            # together: a scalar's reciprocal per parameter was an XLA kernel of its own
+            # per parameter (a division is not fused into a loop that would repeat it),
+            # 200 of them a call over 200 parameters
+            scales = {a.dtype: window_scale(divisor, a.dtype) for a in a_leaves}
         out = []
-        for i, (g, a, m) in enumerate(zip(g_leaves, treedef.flatten_up_to(acc), masks)):
-            d = divisor[i] if static == "array" else None
+        for i, (g, a, m) in enumerate(zip(g_leaves, a_leaves, masks)):
+            d = scales[a.dtype][i] if static == "array" else None
             args = (g, a, m, call.fresh, call.weight, call.stepping, d)
             # traced once per leaf signature inside ``jit`` (as ``_base.rule_step``)
             leaf = _staged_window_leaf if _all_staged(args) else _window_leaf
@@ -252,10 +259,11 @@ class _Window:
         return lambda inner: GradAccumulateState(mini, count, acc, call.seen, inner, call.weight_sum)
 
 
-def _window_leaf(divisor: Any, g, a, m, fresh, weight, stepping, d) -> jax.Array:
+def _window_leaf(divisor: Any, g, a, m, fresh, weight, stepping, scale) -> jax.Array:
     """``_Window.accumulate`` for one parameter: ``g`` its gradient (or None), ``a`` its
     accumulator, ``m`` its ``grad_mask`` flag (or None); ``divisor`` the static part of
-    the window's divisor (None, ``every``, or ``"array"``: ``d`` is this parameter's)."""
+    the window's divisor (None, ``every``, or ``"array"``: ``scale`` is this parameter's
+    ``window_scale`` of it, in ``a``'s dtype)."""
 
     def kept():
         return jnp.where(fresh, jnp.zeros_like(a), a)
@@ -274,7 +282,7 @@ def _window_leaf(divisor: Any, g, a, m, fresh, weight, stepping, d) -> jax.Array
         return added
     if isinstance(divisor, int):
         return jnp.where(stepping, added / divisor, added)
-    return jnp.where(stepping, added * window_scale(d, added.dtype), added)
+    return jnp.where(stepping, added * scale, added)
 
 
 #: ``_window_leaf`` as a nested ``jit``: a call over 1000 equal leaves traces and lowers

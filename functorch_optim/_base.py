@@ -728,8 +728,40 @@ def _rule(algorithm: Algorithm, static, const, flags, param, grad, buffers, step
     hp = {**hp, **dict(flags)}
     # the rule reads the advanced counter; the engine stores it (``advance_counters``)
     new_step = None if step is None else step + (const if one is None else one)
-    new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
-    return masked(active, new_param, new, param, buffers)
+    if active is None:
+        new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
+        return new_param, dict(new)
+    return _masked_rule(algorithm, static, param, grad, buffers, new_step, hp, active)
+
+
+def _masked_rule(algorithm: Algorithm, static, param, grad, buffers, new_step, hp, active):
+    """The rule under a ``grad_mask`` flag ``active``: ``masked``'s values. On the CPU
+    the step is a ``lax.cond`` on the flag. Selected elementwise (``masked``), each new
+    buffer has two readers, its select and the parameter's update, and XLA's CPU fusion
+    computes it in both: twice the flops, and a copy of each donated buffer that the
+    first pass overwrites and the second still reads (Adam over one array of 1M float32
+    with a traced mask: 3.1 ms a step, 1.3 ms without the mask; with the cond 1.4 ms).
+    Elsewhere the select, as before: a GPU's conditional waits for its flag on the host.
+    """
+    from functorch_optim._fused import kernel_or_rule  # it imports this module
+
+    def stepped(param, grad, buffers, new_step, hp):
+        new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
+        # a buffer this parameter does not have stays None (as in ``masked``)
+        return new_param, {n: None if buffers[n] is None else new[n] for n in buffers}
+
+    def kept(param, grad, buffers, new_step, hp):
+        return param, dict(buffers)
+
+    def branched(param, grad, buffers, new_step, hp, active):
+        return jax.lax.cond(active, stepped, kept, param, grad, buffers, new_step, hp)
+
+    def selected(param, grad, buffers, new_step, hp, active):
+        new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
+        return masked(active, new_param, new, param, buffers)
+
+    args = (param, grad, buffers, new_step, hp, active)
+    return kernel_or_rule(branched, selected, *args, like=(param, dict(buffers)))
 
 
 def advance_counters(leaves: list, stepping: list[bool], one: Any) -> list:

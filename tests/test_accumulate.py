@@ -458,6 +458,29 @@ def test_weighted_bf16_accumulates_in_float32():
     np.testing.assert_allclose(np.asarray(state.acc_grads["w"]), expected, rtol=1e-6)
 
 
+# A weighted window's (and a flushed one's) divisor is a vector over the parameters:
+# each parameter's reciprocal of it was a scalar division of its own, which XLA leaves
+# out of the parameter's loop (it would repeat it per element), so a micro-step over
+# 200 parameters ran 200 one-element kernels besides its 200 passes (issue 16, run j:
+# 3.06 ms against 1.05 ms for a bare ``acc + w * g`` at 1M parameters in 200 leaves).
+@pytest.mark.parametrize("call", ["weighted micro-step", "flush"])
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "rule"])
+def test_a_vector_divisor_is_one_reciprocal_for_every_parameter(call, fused):
+    params = {f"p{i:02d}": jnp.full((300,), 0.5, jnp.float32) for i in range(12)}
+    params["b"] = jnp.full((2, 3), 0.5, jnp.float32)
+    reduction = "weighted" if call.startswith("weighted") else "mean"
+    tx = fo.grad_accumulate(fo.sgd(lr=0.1, fused=fused), every=4, reduction=reduction)
+    state = tx.init(params)
+    if call == "flush":
+        fn = jax.jit(lambda p, s: fo.flush(tx, p, s))
+        compiled = fn.lower(params, state).compile()
+    else:
+        fn = jax.jit(lambda p, g, s, w: fo.step(tx, p, g, s, weight=w))
+        compiled = fn.lower(params, params, state, jnp.float32(2.0)).compile()
+    text = compiled.as_text()
+    assert 1 <= _count(text, "divide") <= 1 + (call == "flush"), text
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("fused", [None, False], ids=["default", "rule"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "weighted"])
