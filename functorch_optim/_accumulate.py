@@ -224,7 +224,7 @@ class _Window:
             # together: a scalar's reciprocal per parameter was an XLA kernel of its own
             # per parameter (a division is not fused into a loop that would repeat it),
             # 200 of them a call over 200 parameters
-            scales = {a.dtype: window_scale(divisor, a.dtype) for a in a_leaves}
+            scales = {dtype: window_scale(divisor, dtype) for dtype in {a.dtype for a in a_leaves}}
         out = []
         for i, (g, a, m) in enumerate(zip(g_leaves, a_leaves, masks)):
             d = scales[a.dtype][i] if static == "array" else None

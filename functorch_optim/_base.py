@@ -757,8 +757,7 @@ def _masked_rule(algorithm: Algorithm, static, param, grad, buffers, new_step, h
         return jax.lax.cond(active, stepped, kept, param, grad, buffers, new_step, hp)
 
     def selected(param, grad, buffers, new_step, hp, active):
-        new_param, new = algorithm.step_leaf(param, grad, buffers, new_step, hp, static)
-        return masked(active, new_param, new, param, buffers)
+        return masked(active, *stepped(param, grad, buffers, new_step, hp), param, buffers)
 
     args = (param, grad, buffers, new_step, hp, active)
     return kernel_or_rule(branched, selected, *args, like=(param, dict(buffers)))

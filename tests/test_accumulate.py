@@ -477,8 +477,9 @@ def test_a_vector_divisor_is_one_reciprocal_for_every_parameter(call, fused):
     else:
         fn = jax.jit(lambda p, g, s, w: fo.step(tx, p, g, s, weight=w))
         compiled = fn.lower(params, params, state, jnp.float32(2.0)).compile()
-    text = compiled.as_text()
-    assert 1 <= _count(text, "divide") <= 1 + (call == "flush"), text
+    # one division in the whole program (a flushed window's divisor, its length broadcast
+    # to every parameter, was one before too: XLA's CSE merged its equal scalars)
+    assert _count(compiled.as_text(), "divide") == 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
