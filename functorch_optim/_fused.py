@@ -64,9 +64,15 @@ _LIBRARY = "_fused_kernels"  # the build's library: _fused_kernels<extension suf
 _TARGETS = {"fo_sgd": "FoSgd", "fo_adam": "FoAdam", "fo_adagrad": "FoAdagrad", "fo_rmsprop": "FoRmsprop"}
 _CHECKSUM = ".sha256"  # beside the library: the SHA-256 of its bytes, written by its build
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-# Parameters per kernel call: XLA's compile time grows faster than linearly in the
-# operands of one call (1000 leaves in one call: 39 s; in calls of 128: 3.7 s).
-_LEAVES_PER_CALL = 128
+# Arrays one kernel call writes in place (parameters and buffers), at most: XLA's compile
+# time grows faster than linearly in the aliased operands of one call (1000 leaves in one
+# call: 39 s; in calls of 128: 3.7 s). Measured on 2 cores (2026-12-07, the calls sharing
+# one table), compile of a step over 1000 parameters of 1000 float32 elements in calls of
+# 256 / 128 / 64 / 32 arrays: AdamW 2.21 / 1.62 / 1.44 / 1.54 s, SGD with momentum 1.40 /
+# 1.03 / 0.99 / 0.97 s; over 100 parameters, SGD 84 / 88 / 77 / 80 ms. Calls of 32 ran
+# AdamW's 1000-parameter step in 21 ms against 15-16 (each call waits for its tasks);
+# 64 and 128 ran alike over 100, 200 and 1000 parameters.
+_ALIASED_PER_CALL = 64
 
 
 def library_file(directory: Path = _HERE) -> Path | None:
@@ -286,14 +292,15 @@ def _call(
     window: Window | None = None,
     **attrs: bool,
 ) -> list[tuple[jax.Array, ...]]:
-    """One kernel call for ``leaves`` (one dtype).
+    """The kernel calls for ``leaves`` (one dtype): one table of scalars, and a call per
+    ``_ALIASED_PER_CALL`` arrays written in place.
     ``scalars`` / ``flags``: per-parameter values, each a scalar (the same for all) or a
     vector over the leaves. Per leaf ``(param, buffers)``, with a ``window`` ``(param,
     buffers, accumulator)``."""
     dtype = leaves[0][0].dtype
     count = len(leaves)
     params = [leaf[0] for leaf in leaves]
-    buffers = [leaf[2][n] for n in names for leaf in leaves]
+    kinds = [[leaf[2][n] for leaf in leaves] for n in names]
     if window is None:
         grads = [_as(leaf[1], dtype) for leaf in leaves]
     else:
@@ -302,47 +309,57 @@ def _call(
         has_grad = window.present
         if has_grad is None:
             has_grad = np.asarray([leaf[1] is not None for leaf in leaves])
-        buffers += window.accs
+        kinds.append(list(window.accs))
         weight = 1 if window.weight is None else window.weight
         scalars = [*scalars, window_scale(window.divisor, dtype), weight]
         flags = [*flags, has_grad, window.fresh, window.stepping, window.weight is not None]
-    # one table instead of three operands, each a small XLA kernel to compile (~10 ms
-    # each): per parameter a row of its scalars then its flags (0 or 1) in the
-    # parameters' dtype, then the async padding. SGD's and Adagrad's rows are one fusion;
-    # XLA leaves a wider stack (Adam's, RMSprop's, a window's) unfused, a kernel a column
+    # one table for every call, one XLA kernel to compile (~10 ms each): the scalars then
+    # the flags (0 or 1) in the parameters' dtype, one row that every parameter reads
+    # where each is the same for all (no per-parameter counter, mask or window flag), else
+    # a row per parameter; then the async padding. A row of broadcast columns compiled in
+    # ~10 ms more than the one row (100 parameters, 2026-12-07)
     c = caster(dtype)
-    columns = [jnp.broadcast_to(c(x).astype(dtype), (count,)) for x in scalars]
-    columns += [jnp.broadcast_to(jnp.asarray(x).astype(dtype), (count,)) for x in flags]
-    table = jnp.stack(columns, axis=1).ravel()
+    columns = [c(x).astype(dtype) for x in scalars] + [jnp.asarray(x).astype(dtype) for x in flags]
+    one_row = all(x.ndim == 0 for x in columns)
+    rows = 1 if one_row else count
+    table = jnp.stack([jnp.broadcast_to(x, (rows,)) for x in columns], axis=1).ravel()
     if sum(x.size for x in params) >= SMALL_STEP:
         table = jnp.concatenate([table, _async_padding(params[0], dtype)])
-    outputs = [*params, *buffers]
-    out = jax.ffi.ffi_call(
-        target,
-        [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs],
-        # params -> outputs 0..L-1, then buffers (the grads sit between)
-        input_output_aliases={
-            **{i: i for i in range(count)},
-            **{2 * count + j: count + j for j in range(len(buffers))},
-        },
-        vmap_method="sequential",
-    )(
-        *params,
-        *grads,
-        *buffers,
-        table,
-        count=np.int64(count),
-        window=window is not None,
-        **attrs,
-    )
-    return [
-        (
-            out[i],
-            {m: out[count + k * count + i] for k, m in enumerate(names)},
-            *([] if window is None else [out[count + len(names) * count + i]]),
+    out: list[tuple[jax.Array, ...]] = []
+    per_call = max(1, _ALIASED_PER_CALL // (1 + len(kinds)))
+    for first in range(0, count, per_call):
+        at = slice(first, first + per_call)
+        n = len(params[at])
+        written = [*params[at], *(b for kind in kinds for b in kind[at])]
+        results = jax.ffi.ffi_call(
+            target,
+            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written],
+            # params -> outputs 0..n-1, then buffers (the grads sit between)
+            input_output_aliases={
+                **{i: i for i in range(n)},
+                **{2 * n + j: n + j for j in range(len(written) - n)},
+            },
+            vmap_method="sequential",
+        )(
+            *params[at],
+            *grads[at],
+            *written[n:],
+            table,
+            count=np.int64(n),
+            first_row=np.int64(first),
+            one_row=one_row,
+            window=window is not None,
+            **attrs,
         )
-        for i in range(count)
-    ]
+        out += [
+            (
+                results[i],
+                {m: results[n + k * n + i] for k, m in enumerate(names)},
+                *([] if window is None else [results[n + len(names) * n + i]]),
+            )
+            for i in range(n)
+        ]
+    return out
 
 
 def fused_algorithm(algorithm: Algorithm, kernel: Callable[..., Any], auto: bool = False) -> Algorithm:
@@ -552,8 +569,8 @@ def rule_in_trace(params: list[Any], grads: list[Any]) -> bool:
 
 
 def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
-    """The indices of the parameters that take the kernel, one list per call: the kernel
-    leaves (``kernel_leaf``) by dtype, at most ``_LEAVES_PER_CALL`` a call. For the
+    """The indices of the parameters that take the kernel, one list per dtype (its kernel
+    calls share one table: ``_call``): the kernel leaves (``kernel_leaf``). For the
     default (``auto``) a dtype whose kernel leaves have fewer than ``SMALL_STEP``
     elements in all runs the jitted rule instead: a step that small runs inline either
     way (``_async_padding``), where the rule's program is the cheaper call (measured: a
@@ -564,7 +581,7 @@ def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
             groups.setdefault(param.dtype, []).append(i)
     if auto:
         groups = {d: v for d, v in groups.items() if sum(params[i].size for i in v) >= SMALL_STEP}
-    return [v[k : k + _LEAVES_PER_CALL] for v in groups.values() for k in range(0, len(v), _LEAVES_PER_CALL)]
+    return list(groups.values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -285,16 +285,24 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
 // One call updates every parameter of one dtype. ``args`` = params[L], grads[L], then
 // each buffer kind's L arrays (with ``window``, the accumulator last), then one table in
 // the parameters' dtype: per parameter its S scalars and F flags (0 or 1; flag 0: "this
-// parameter takes this step"), row after row, and after the L rows elements the kernel
-// does not read (``_fused._call``: they keep XLA's CPU client from running the program
+// parameter takes this step"), row after row from row ``first_row`` (a table may serve
+// several calls), or with ``one_row`` one row every parameter reads; after the rows
+// elements the kernel does not read (``_fused._call``: they keep XLA's CPU client from running the program
 // inline on the caller's thread; one operand, where three were three XLA kernels); ``rets`` =
 // params[L] and the buffers, each aliasing its argument. The step counters are the jitted
 // code's (parameters that step alike share one). A window call's parameter without a
 // gradient in this call (its gradient flag is 0) may have a one-element stand-in for it.
+// A call's static attributes: its parameters, the table's row of the first, whether they
+// all read one row, whether it is a window call.
+struct Call {
+  int64_t count, first_row;
+  bool one_row, window;
+};
+
 template <typename T>
 struct Leaves {
-  int64_t count = 0, buffers = 0, n_scalars = 0, n_flags = 0;
-  bool window = false;
+  int64_t count = 0, buffers = 0, n_scalars = 0, n_flags = 0, first_row = 0;
+  bool window = false, one_row = false;
   std::vector<int64_t> size;
   std::vector<T*> param;
   std::vector<const T*> grad;  // nullptr: no gradient in this call (window only)
@@ -303,7 +311,7 @@ struct Leaves {
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
   T* acc(int64_t i) const { return window ? buffer[buffers * count + i] : nullptr; }
   // parameter i's scalars and flags (flag 0: "takes this step")
-  const T* scalar_row(int64_t i) const { return table + i * (n_scalars + n_flags); }
+  const T* scalar_row(int64_t i) const { return table + (one_row ? 0 : first_row + i) * (n_scalars + n_flags); }
   const T* flag_row(int64_t i) const { return scalar_row(i) + n_scalars; }
   // the window's flags of parameter i: [has a gradient, fresh, stepping, weighted]; its
   // scale and weight
@@ -317,8 +325,10 @@ struct Leaves {
 };
 
 template <typename T>
-ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                  int64_t buffers, int64_t n_scalars, int64_t n_flags, bool window, Leaves<T>& out) {
+ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, const Call& call,
+                  int64_t buffers, int64_t n_scalars, int64_t n_flags, Leaves<T>& out) {
+  const int64_t count = call.count;
+  const bool window = call.window;
   auto fail = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
   };
@@ -330,7 +340,8 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   }
   const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
   ffi::AnyBuffer table = args.get<ffi::AnyBuffer>((2 + kinds) * count).value();
-  if (table.element_type() != dtype || table.element_count() < count * (n_scalars + n_flags)) {
+  const int64_t rows = call.one_row ? 1 : call.first_row + count;
+  if (call.first_row < 0 || table.element_type() != dtype || table.element_count() < rows * (n_scalars + n_flags)) {
     return fail("bad table of scalars and flags");
   }
   out.table = static_cast<const T*>(table.untyped_data());
@@ -339,6 +350,8 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   out.n_scalars = n_scalars;
   out.n_flags = n_flags;
   out.window = window;
+  out.first_row = call.first_row;
+  out.one_row = call.one_row;
   for (int64_t j = 0; j < (2 + kinds) * count; ++j) {
     ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(j).value();
     const int64_t i = j % count;
@@ -490,14 +503,14 @@ void RmspropStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool has_momentum, b
 
 // Runs step(leaves) with T the operands' C++ type.
 template <typename Step>
-ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                    int64_t buffers, int64_t n_scalars, int64_t n_flags, bool window, Step step) {
+ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRets rets, const Call& call,
+                    int64_t buffers, int64_t n_scalars, int64_t n_flags, Step step) {
   if (args.size() == 0) return ffi::Error::InvalidArgument(std::string(name) + ": no operands");
   const ffi::DataType dtype = args.get<ffi::AnyBuffer>(0).value().element_type();
   auto run = [&](auto zero) {
     using T = decltype(zero);
     Leaves<T> leaves;
-    ffi::Error e = Unpack<T>(name, args, rets, count, buffers, n_scalars, n_flags, window, leaves);
+    ffi::Error e = Unpack<T>(name, args, rets, call, buffers, n_scalars, n_flags, leaves);
     if (e.failure()) return e;
     step(leaves);
     return ffi::Error::Success();
@@ -508,27 +521,27 @@ ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRet
 }
 
 ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                   bool window, bool has_momentum, bool nesterov, bool maximize) {
-  return Dispatch("fused SGD", args, rets, count, has_momentum ? 1 : 0, 4, 4, window,
+                   int64_t first_row, bool one_row, bool window, bool has_momentum, bool nesterov, bool maximize) {
+  return Dispatch("fused SGD", args, rets, {count, first_row, one_row, window}, has_momentum ? 1 : 0, 4, 4,
                   [&](const auto& leaves) { SgdStep(pool, leaves, nesterov, maximize); });
 }
 
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                    bool window, bool maximize, bool decoupled, bool amsgrad) {
-  return Dispatch("fused Adam", args, rets, count, amsgrad ? 3 : 2, 9, 3, window,
+                    int64_t first_row, bool one_row, bool window, bool maximize, bool decoupled, bool amsgrad) {
+  return Dispatch("fused Adam", args, rets, {count, first_row, one_row, window}, amsgrad ? 3 : 2, 9, 3,
                   [&](const auto& leaves) { AdamStep(pool, leaves, maximize, decoupled); });
 }
 
 ffi::Error AdagradImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                       bool window, bool maximize) {
-  return Dispatch("fused Adagrad", args, rets, count, 1, 3, 2, window,
+                       int64_t first_row, bool one_row, bool window, bool maximize) {
+  return Dispatch("fused Adagrad", args, rets, {count, first_row, one_row, window}, 1, 3, 2,
                   [&](const auto& leaves) { AdagradStep(pool, leaves, maximize); });
 }
 
 ffi::Error RmspropImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                       bool window, bool has_momentum, bool centered, bool maximize) {
-  return Dispatch("fused RMSprop", args, rets, count, 1 + (has_momentum ? 1 : 0) + (centered ? 1 : 0), 7, 4,
-                  window, [&](const auto& leaves) { RmspropStep(pool, leaves, has_momentum, centered, maximize); });
+                       int64_t first_row, bool one_row, bool window, bool has_momentum, bool centered, bool maximize) {
+  return Dispatch("fused RMSprop", args, rets, {count, first_row, one_row, window}, 1 + (has_momentum ? 1 : 0) + (centered ? 1 : 0), 7, 4,
+                  [&](const auto& leaves) { RmspropStep(pool, leaves, has_momentum, centered, maximize); });
 }
 
 }  // namespace
@@ -539,6 +552,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoSgd, SgdImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
+                                  .Attr<int64_t>("first_row")
+                                  .Attr<bool>("one_row")
                                   .Attr<bool>("window")
                                   .Attr<bool>("has_momentum")
                                   .Attr<bool>("nesterov")
@@ -550,6 +565,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdam, AdamImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
+                                  .Attr<int64_t>("first_row")
+                                  .Attr<bool>("one_row")
                                   .Attr<bool>("window")
                                   .Attr<bool>("maximize")
                                   .Attr<bool>("decoupled")
@@ -561,6 +578,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdagrad, AdagradImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
+                                  .Attr<int64_t>("first_row")
+                                  .Attr<bool>("one_row")
                                   .Attr<bool>("window")
                                   .Attr<bool>("maximize"));
 
@@ -570,6 +589,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoRmsprop, RmspropImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("count")
+                                  .Attr<int64_t>("first_row")
+                                  .Attr<bool>("one_row")
                                   .Attr<bool>("window")
                                   .Attr<bool>("has_momentum")
                                   .Attr<bool>("centered")

@@ -246,8 +246,9 @@ def test_mixed_dtypes_one_call_per_kernel_dtype():
     assert len(re.findall(r"fo_adam", text)) == 2
 
 
-def test_many_parameters_are_split_into_bounded_calls():
-    n = _fused._LEAVES_PER_CALL + 3
+def test_many_parameters_are_split_into_bounded_calls_sharing_one_table():
+    # SGD with momentum writes two arrays a parameter: half the bound a call
+    n = _fused._ALIASED_PER_CALL // 2 + 3
     params = {f"p{i:03d}": jnp.linspace(-1.0, 1.0, 3 + i % 4, dtype=jnp.float32) for i in range(n)}
     make = lambda fused: fo.sgd(lr=0.1, momentum=0.9, weight_decay=1e-2, fused=fused)
     assert_bitwise_equal(
@@ -255,7 +256,14 @@ def test_many_parameters_are_split_into_bounded_calls():
     )
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
-    assert len(re.findall(r"fo_sgd", text)) == 2
+    assert _tables_of_calls(text, "fo_sgd") == [1, 1]
+
+
+def _tables_of_calls(text: str, target: str) -> list[int]:
+    # per kernel call in the lowered ``text``, how many distinct table operands (its last
+    # operand) the calls have in all: [1] * calls where they share one
+    tables = [m.split(", ")[-1] for m in re.findall(rf"@{target}\(([^)]*)\)", text)]
+    return [len(set(tables))] * len(tables)
 
 
 # ----------------------------------------------------------- grad_accumulate's window calls
@@ -351,8 +359,9 @@ def test_window_over_other_dtypes_runs_the_jitted_path():
     assert_bitwise_equal(out[0], out[1])
 
 
-def test_window_over_many_parameters_is_split_into_bounded_calls():
-    n = _fused._LEAVES_PER_CALL + 3
+def test_window_over_many_parameters_is_split_into_bounded_calls_sharing_one_table():
+    # a parameter, its momentum buffer and its accumulator: a third of the bound a call
+    n = _fused._ALIASED_PER_CALL // 3 + 3
     params = {f"p{i:03d}": jnp.linspace(-1.0, 1.0, 3 + i % 4, dtype=jnp.float32) for i in range(n)}
     make = lambda fused: fo.grad_accumulate(fo.sgd(lr=0.1, momentum=0.9, fused=fused), every=2)
     grads = {k: jnp.cos(v) for k, v in params.items()}
@@ -366,7 +375,7 @@ def test_window_over_many_parameters_is_split_into_bounded_calls():
     assert_bitwise_equal(out[0], out[1])
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, grads, tx.init(params)).as_text()
-    assert len(re.findall(r"fo_sgd", text)) == 2
+    assert _tables_of_calls(text, "fo_sgd") == [1, 1]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
