@@ -242,7 +242,8 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def own_counters(tree: PyTree) -> PyTree:
-    """Give every parameter its own ``step`` counter in each optimizer state of ``tree``.
+    """Give every parameter its own ``step`` counter in each optimizer state of ``tree``,
+    or, given a transformation, one whose ``init`` does.
 
     Parameters that have received the same gradients since ``init`` share one counter
     array (``TorchState``): a step every parameter takes moves one scalar, not one per
@@ -250,15 +251,19 @@ def own_counters(tree: PyTree) -> PyTree:
     ``grad_mask`` gives the parameters whose steps may now differ counters of their
     own, so the state's tree structure changes once. ``jax.jit`` and the facade simply
     trace again; a ``jax.lax.scan``, ``fori_loop`` or ``while_loop`` needs one structure
-    for its carry: give it ``own_counters(state)``, the layout such a step returns.
-    The values and every later step are the same bits either way.
+    for its carry: give it ``own_counters(state)``, the layout such a step returns. A
+    container that updates its state in place needs it from ``init`` on (flax's
+    ``nnx.Optimizer`` under a ``grad_mask``: ``nnx.Optimizer(model, own_counters(tx),
+    wrt=nnx.Param)``). The values and every later step are the same bits either way.
 
     Args:
       tree: any pytree holding optimizer states (a ``TorchState``, a
-        ``grad_accumulate`` state, an ``optax.chain`` of them, ``(params, state)``).
+        ``grad_accumulate`` state, an ``optax.chain`` of them, ``(params, state)``), or
+        an ``optax.GradientTransformation``.
 
     Returns:
-      ``tree`` with each ``TorchState``'s counters as one array per parameter.
+      ``tree`` with each ``TorchState``'s counters as one array per parameter; for a
+      transformation, the same transformation with an ``init`` that returns its state so.
 
     Examples:
       >>> import jax, jax.numpy as jnp, functorch_optim as fo
@@ -275,6 +280,10 @@ def own_counters(tree: PyTree) -> PyTree:
       >>> jax.tree.map(int, state.step)
       {'a': 1, 'b': 2}
     """
+
+    if isinstance(tree, optax.GradientTransformation):
+        init = tree.init
+        return tree._replace(init=lambda params: own_counters(init(params)))
 
     def own(x: Any) -> Any:
         if not isinstance(x, TorchState) or not getattr(_flatten_state(x)[1], "shared", False):

@@ -129,6 +129,14 @@ def test_shared_counters_step_as_counters_of_their_own(spec):
     if "step" in shared.buffers and len(jax.tree.leaves(params)) > 1:
         fresh = tx.init(params)  # one counter for all, where each had its own
         assert len(jax.tree.leaves(fresh)) < len(jax.tree.leaves(fo.own_counters(fresh)))
+    # a transformation's own_counters: its init returns that layout, which a masked step
+    # keeps (a container that updates its state in place needs one structure)
+    owning = fo.own_counters(tx)
+    assert type(owning) is type(tx) and owning.update is tx.update
+    start = owning.init(params)
+    assert jax.tree.structure(start) == jax.tree.structure(fo.own_counters(tx.init(params)))
+    _, masked = step(tx, params, grads[0], start, grad_mask=mask)
+    assert jax.tree.structure(masked) == jax.tree.structure(start)
 
 
 def test_bf16_params_keep_dtype(spec):
