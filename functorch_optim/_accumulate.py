@@ -329,7 +329,7 @@ def _looped(policy, call, grads, acc, carry, step, params, *, loop):
 
 
 def _fused(policy, call, grads, acc, carry, window_step, treedef):
-    """A ``fused=True`` optimizer's window kernel: one kernel call per dtype adds the
+    """A ``fused=True`` optimizer's window kernel: a dtype's kernel calls (one table) add the
     gradient in, or on the closing call reduces the sum and steps on it in the same pass;
     no loop or conditional around it."""
     params, inner = carry
@@ -382,7 +382,7 @@ def grad_accumulate(
     runs only on the step (for this package's optimizers in a loop of zero or one trips,
     for any other transformation in a ``lax.cond``). With ``functorch_optim.step`` a
     micro-step does not touch the parameters at all. With a ``fused=True`` optimizer
-    inside (``every >= 2``, on the CPU) each call is one kernel call per dtype instead:
+    inside (``every >= 2``, on the CPU) each call is a dtype's kernel calls instead:
     it adds the gradient in, or on the closing call steps on the window's mean in the
     same pass, with the same numbers.
 
@@ -451,7 +451,7 @@ def grad_accumulate(
     weighted = reduction == "weighted"
     policy = _Window(every, reduction)
     inner_step = getattr(tx.update, STEP_ATTR, None)
-    # fused=True inside: a call is one kernel call per dtype (``_fused``)
+    # fused=True inside: a call is a dtype's kernel calls (``_fused``)
     window_step = getattr(tx.update, WINDOW_ATTR, None) if every > 1 else None
     extra_ok = isinstance(tx, optax.GradientTransformationExtraArgs)
 

@@ -594,9 +594,9 @@ def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True)
 class FusedStep:
-    """A fused algorithm's ``Algorithm.fused_step``: ``kernel``, one call per dtype on the
-    CPU for the float32/float64 parameters; elsewhere, and for every other parameter,
-    ``algorithm``'s jitted per-parameter rule and the mask.
+    """A fused algorithm's ``Algorithm.fused_step``: ``kernel``, the calls of one table
+    per dtype (``_call``) on the CPU for the float32/float64 parameters; elsewhere, and
+    for every other parameter, ``algorithm``'s jitted per-parameter rule and the mask.
 
     A value, not a closure: it pickles (a facade with ``fused=True`` does) and two equal
     configurations share one compiled step.
@@ -713,8 +713,8 @@ def sgd_kernel(
     one: jax.Array,
     window: Window | None = None,
 ) -> list:
-    """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, one kernel call,
-    from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
+    """SGD's rule (``_sgd._step_leaf``) for every parameter of one dtype, its kernel calls
+    (``_call``), from the rule's own prepared scalars (``_sgd._prepare``): the same rounding."""
     # only the momentum buffer's first step reads the counters (without a buffer the
     # state keeps none: ``_base.keeps_step``)
     first = _counters(leaves) + one == 1 if static["has_momentum"] else False
