@@ -311,7 +311,9 @@ struct Leaves {
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
   T* acc(int64_t i) const { return window ? buffer[buffers * count + i] : nullptr; }
   // parameter i's scalars and flags (flag 0: "takes this step")
-  const T* scalar_row(int64_t i) const { return table + (one_row ? 0 : first_row + i) * (n_scalars + n_flags); }
+  const T* scalar_row(int64_t i) const {
+    return table + (one_row ? 0 : first_row + i) * (n_scalars + n_flags);
+  }
   const T* flag_row(int64_t i) const { return scalar_row(i) + n_scalars; }
   // the window's flags of parameter i: [has a gradient, fresh, stepping, weighted]; its
   // scale and weight
@@ -341,7 +343,8 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   const ffi::DataType dtype = std::is_same_v<T, float> ? ffi::F32 : ffi::F64;
   ffi::AnyBuffer table = args.get<ffi::AnyBuffer>((2 + kinds) * count).value();
   const int64_t rows = call.one_row ? 1 : call.first_row + count;
-  if (call.first_row < 0 || table.element_type() != dtype || table.element_count() < rows * (n_scalars + n_flags)) {
+  if (call.first_row < 0 || table.element_type() != dtype ||
+      table.element_count() < rows * (n_scalars + n_flags)) {
     return fail("bad table of scalars and flags");
   }
   out.table = static_cast<const T*>(table.untyped_data());
@@ -521,13 +524,15 @@ ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRet
 }
 
 ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                   int64_t first_row, bool one_row, bool window, bool has_momentum, bool nesterov, bool maximize) {
+                   int64_t first_row, bool one_row, bool window, bool has_momentum, bool nesterov,
+                   bool maximize) {
   return Dispatch("fused SGD", args, rets, {count, first_row, one_row, window}, has_momentum ? 1 : 0, 4, 4,
                   [&](const auto& leaves) { SgdStep(pool, leaves, nesterov, maximize); });
 }
 
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                    int64_t first_row, bool one_row, bool window, bool maximize, bool decoupled, bool amsgrad) {
+                    int64_t first_row, bool one_row, bool window, bool maximize, bool decoupled,
+                    bool amsgrad) {
   return Dispatch("fused Adam", args, rets, {count, first_row, one_row, window}, amsgrad ? 3 : 2, 9, 3,
                   [&](const auto& leaves) { AdamStep(pool, leaves, maximize, decoupled); });
 }
@@ -539,8 +544,10 @@ ffi::Error AdagradImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remai
 }
 
 ffi::Error RmspropImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                       int64_t first_row, bool one_row, bool window, bool has_momentum, bool centered, bool maximize) {
-  return Dispatch("fused RMSprop", args, rets, {count, first_row, one_row, window}, 1 + (has_momentum ? 1 : 0) + (centered ? 1 : 0), 7, 4,
+                       int64_t first_row, bool one_row, bool window, bool has_momentum, bool centered,
+                       bool maximize) {
+  const int64_t buffers = 1 + (has_momentum ? 1 : 0) + (centered ? 1 : 0);
+  return Dispatch("fused RMSprop", args, rets, {count, first_row, one_row, window}, buffers, 7, 4,
                   [&](const auto& leaves) { RmspropStep(pool, leaves, has_momentum, centered, maximize); });
 }
 

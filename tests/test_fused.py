@@ -256,14 +256,38 @@ def test_many_parameters_are_split_into_bounded_calls_sharing_one_table():
     )
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, params, tx.init(params)).as_text()
-    assert _tables_of_calls(text, "fo_sgd") == [1, 1]
+    assert _calls_and_tables(text, "fo_sgd") == (2, 1)
 
 
-def _tables_of_calls(text: str, target: str) -> list[int]:
-    # per kernel call in the lowered ``text``, how many distinct table operands (its last
-    # operand) the calls have in all: [1] * calls where they share one
+def _calls_and_tables(text: str, target: str) -> tuple[int, int]:
+    # the kernel calls in the lowered ``text`` and their distinct table operands (each
+    # call's last operand)
     tables = [m.split(", ")[-1] for m in re.findall(rf"@{target}\(([^)]*)\)", text)]
-    return [len(set(tables))] * len(tables)
+    return len(tables), len(set(tables))
+
+
+def test_per_parameter_rows_are_read_by_the_right_call():
+    # a mask that differs between parameters gives the table a row per parameter (each
+    # with its own flag, counter and bias corrections); 3 calls read it from their own
+    # first row: bit for bit the rule, and each parameter counted the steps it took
+    n = 2 * (_fused._ALIASED_PER_CALL // 3) + 5  # Adam writes 3 arrays a parameter
+    params = {f"p{i:03d}": jnp.linspace(-1.0, 1.0, 3 + i % 4, dtype=jnp.float32) for i in range(n)}
+    names = sorted(params)
+    on = np.random.default_rng(0).random((4, n)) < 0.7  # no period a call's size could match
+    masks = [{m: jnp.asarray(on[k, i]) for i, m in enumerate(names)} for k in range(4)]
+    out = []
+    for fused in (True, False):
+        tx = fo.adam(lr=0.1, weight_decay=1e-2, fused=fused)
+        step = jax.jit(lambda p, g, s, m, tx=tx: fo.step(tx, p, g, s, grad_mask=m))
+        p, state = params, tx.init(params)
+        for k, mask in enumerate(masks):
+            p, state = step(p, _grads(p, k), state, mask)
+        out.append((p, state))
+        text = step.lower(params, params, tx.init(params), masks[0]).as_text()
+        assert _calls_and_tables(text, "fo_adam") == ((3, 1) if fused else (0, 0))
+    assert_bitwise_equal(out[0], out[1])
+    steps = {m: int(v) for m, v in out[0][1].buffers["step"].items()}
+    assert steps == {m: int(on[:, i].sum()) for i, m in enumerate(names)}
 
 
 # ----------------------------------------------------------- grad_accumulate's window calls
@@ -375,7 +399,7 @@ def test_window_over_many_parameters_is_split_into_bounded_calls_sharing_one_tab
     assert_bitwise_equal(out[0], out[1])
     tx = make(True)
     text = jax.jit(lambda p, g, s: fo.step(tx, p, g, s)).lower(params, grads, tx.init(params)).as_text()
-    assert _tables_of_calls(text, "fo_sgd") == [1, 1]
+    assert _calls_and_tables(text, "fo_sgd") == (2, 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
