@@ -331,7 +331,9 @@ class Algorithm:
       torch_state_at_init: whether torch creates a parameter's state in ``__init__``
         (Adagrad) rather than on its first gradient; default False.
       fused_step: optional; the rule for all parameters with a gradient at once,
-        ``(leaves, hparams_of, static, one) -> [(new_param, new_buffers), ...]`` with one
+        ``(leaves, hparams_of, static, one, delta) -> [(new_param, new_buffers), ...]``
+        (with ``delta``, ``update``'s call, ``new_param - param`` in place of
+        ``new_param``) with one
         ``(param, grad, buffers, step, grad_mask flag or None)`` per parameter (``step``
         the counter before this step, ``buffers`` without it), ``hparams_of(dtype)`` what
         ``step_leaf`` gets as ``hparams`` for that dtype and ``one`` the runtime 1 the
@@ -599,8 +601,9 @@ def make_optimizer(
         buffers = {n: treedef.unflatten([b[n] for b in new_b]) for n in names}
         return treedef.unflatten(new_p), TorchState(hparams, count, buffers)
 
-    def step_fn(params, grads, state, *, grad_mask=None, **extra_args):
-        del extra_args
+    def run(params, grads, state, grad_mask, delta):
+        # (new params, state); with ``delta`` (``update``) the updates ``new - param`` in
+        # place of the new params, None where the gradient is None
         check_like_params(params, grads)
         treedef, leaves, olds = unpack(params, grads, state, grad_mask)
         hparams = current(state)
@@ -610,18 +613,26 @@ def make_optimizer(
         rule_one = 1 if constant_counter and advances_always(hp) else one
         stepping = [i for i, leaf in enumerate(leaves) if leaf[1] is not None]
         if algorithm.fused_step is not None:
-            outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one)
+            outs = algorithm.fused_step([leaves[i] for i in stepping], hparams_of, static, one, delta)
         else:
             outs = [rule_step(algorithm, leaves[i], hparams_of, static, rule_one) for i in stepping]
+            if delta:
+                outs = [(new - leaves[i][0], b) for i, (new, b) in zip(stepping, outs)]
         results = dict(zip(stepping, outs))
         counters = advance_counters(leaves, [leaf[1] is not None for leaf in leaves], rule_one)
         # a None gradient: nothing moves
         new = [
-            (results[i][0], {**results[i][1], **_counter(c)}) if i in results else (leaf[0], olds[i])
+            (results[i][0], {**results[i][1], **_counter(c)})
+            if i in results
+            else (None if delta else leaf[0], olds[i])
             for i, (leaf, c) in enumerate(zip(leaves, counters))
         ]
         hparams, count = advance(state, hparams)
         return rebuild(treedef, list(state.buffers), [p for p, _ in new], [b for _, b in new], hparams, count)
+
+    def step_fn(params, grads, state, *, grad_mask=None, **extra_args):
+        del extra_args
+        return run(params, grads, state, grad_mask, delta=False)
 
     def window_step(params, grads, state, window, active):
         """``grad_accumulate``'s call through ``algorithm.fused_window``: ``window`` a
@@ -647,14 +658,11 @@ def make_optimizer(
         )
         return new_params, treedef.unflatten([a for _, _, a in outs]), new_state
 
-    def update(grads, state, params=None, **extra_args):
+    def update(grads, state, params=None, *, grad_mask=None, **extra_args):
+        del extra_args
         if params is None:
             raise ValueError(f"{algorithm.name}: update() needs params (torch's rule reads them)")
-        new_params, state = step_fn(params, grads, state, **extra_args)
-        updates = jax.tree.map(
-            lambda g, new, p: None if g is None else new - p, grads, new_params, params, is_leaf=is_none
-        )
-        return updates, state
+        return run(params, grads, state, grad_mask, delta=True)
 
     step_fn, update = compiled_when_eager(step_fn), compiled_when_eager(update)
     setattr(update, STEP_ATTR, step_fn)

@@ -7,7 +7,8 @@ the mean of consecutive calls filling ``MIN_SAMPLE_S``):
 * **steps**: SGD (momentum 0.9, weight decay 1e-4), Adam and Adagrad, and with default
   arguments besides ``lr`` plain SGD (``sgd_plain``), AdamW and RMSprop, float32, at 1M / 10M / 50M
   parameters in 1 and 200 leaves and at 100 leaves x 1k; functorch_optim
-  (``jax.jit(fo.step)``, params and state donated), optax (jit, donated), torch
+  (``jax.jit(fo.step)``, params and state donated; and, optax's way, ``tx.update`` +
+  ``optax.apply_updates``: "fo via update"), optax (jit, donated), torch
   ``foreach=True`` and ``fused=True``; each row also times the in-place bandwidth
   ceiling ``a += s * b`` (JAX, donated, and torch ``add_``) on the same number of
   elements, and reports GB/s and the fraction of that ceiling; the default and the
@@ -504,6 +505,10 @@ def bench_steps(
         named = [("functorch_optim", fo_tx), ("fo fused", fused_tx), ("fo fused=False", make(fused=False))]
         for name, tx in named:
             contenders.append(jax_contender(name, fo_step_fn(tx), tx.init, np_leaves, grads, nbytes, kind))
+        # the default the way optax's users call it: update, then optax.apply_updates
+        contenders.append(
+            jax_contender("fo via update", optax_step_fn(fo_tx), fo_tx.init, np_leaves, grads, nbytes, kind)
+        )
         contenders.append(
             jax_contender("optax", optax_step_fn(opt_tx), opt_tx.init, np_leaves, grads, nbytes, kind)
         )
@@ -534,6 +539,7 @@ def bench_steps(
         row["ratios"] = {
             "fo/torch fused": _ratio(t, "functorch_optim", "torch fused"),
             "fo/optax": _ratio(t, "functorch_optim", "optax"),
+            "fo via update/optax": _ratio(t, "fo via update", "optax"),
             "fo/torch foreach": _ratio(t, "functorch_optim", "torch foreach"),
             "optax/torch fused": _ratio(t, "optax", "torch fused"),
             "fo flat/torch fused": _ratio(t, "fo flat", "torch fused"),
@@ -544,6 +550,7 @@ def bench_steps(
         }
         row["paired"] = {
             "fo/optax": paired_ratio(timings, "functorch_optim", "optax"),
+            "fo via update/optax": paired_ratio(timings, "fo via update", "optax"),
             "fo fused=False/optax": paired_ratio(timings, "fo fused=False", "optax"),
         }
         rows.append(row)
@@ -888,7 +895,12 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     # (results written before RMSprop had a kernel have no fused=False column for it: its
     # default was the rule)
     rule = lambda r: "fo fused=False" if "fo fused=False" in r["times_ms"] else "functorch_optim"
-    for layout, pick in (("tree, default", lambda r: "functorch_optim"), ("tree, fused=False", rule)):
+    # (``add`` skips a layout no row has: results from before its contender existed)
+    for layout, pick in (
+        ("tree, default", lambda r: "functorch_optim"),
+        ("tree, default via update", lambda r: "fo via update"),
+        ("tree, fused=False", rule),
+    ):
         add(
             "0. step / optax (every step row)",
             layout,
@@ -897,11 +909,16 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         )
     # the same comparison against the noise: the lower end of each row's interval for its
     # per-rep ratio (``paired_ratio``); above 1, the row is slower beyond the spread
-    for layout, key in (("tree, default", "fo/optax"), ("tree, fused=False", "fo fused=False/optax")):
+    for layout, key in (
+        ("tree, default", "fo/optax"),
+        ("tree, default via update", "fo via update/optax"),
+        ("tree, fused=False", "fo fused=False/optax"),
+    ):
+        rows = [(label(r), (r.get("paired", {}).get(key) or {}).get("low")) for r in steps]
         add(
             f"0. step / optax, paired per rep: low end of the {CONFIDENCE:.0%} interval",
             layout,
-            [(label(r), (r.get("paired", {}).get(key) or {}).get("low")) for r in steps],
+            rows,
             1.0,
         )
     for layout, pick in (
@@ -1039,23 +1056,25 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "### Optimizer step, float32 (median ms; % of the in-place ceiling measured in the same row)",
             "",
-            "| step | params | leaves | functorch_optim | fo fused=True | fo fused=False | fo flat fused "
-            "| optax | torch foreach | torch fused | fo / optax | fo fused=False / optax "
+            "| step | params | leaves | functorch_optim | fo via update | fo fused=True | fo fused=False "
+            "| fo flat fused | optax | torch foreach | torch fused | fo / optax | fo via update / optax "
+            "| fo fused=False / optax "
             "| fo / torch fused | fo fused=True / torch fused "
             "| fo fused=True / optax | fo flat fused / torch fused | fo fused=True GB/s | ceiling GB/s "
             "| fo % | fo fused=True % | optax % | torch fused % "
             "| peak fo ×P | peak fo fused=True ×P | peak optax ×P |",
-            "|" + "---|" * 25,
+            "|" + "---|" * 27,
         ]
         for r in steps:
             t, f, m, q = r["times_ms"], r["fraction_of_ceiling"], r["memory_x_params"], r["ratios"]
             pct = lambda k, f=f: _fmt(100 * f[k], ".0f") if k in f else "—"
             lines.append(
                 f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} "
-                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo fused'))} "
-                f"| {_fmt(t.get('fo fused=False'))} | {_fmt(t.get('fo flat'))} "
+                f"| {_fmt(t.get('functorch_optim'))} | {_fmt(t.get('fo via update'))} "
+                f"| {_fmt(t.get('fo fused'))} | {_fmt(t.get('fo fused=False'))} | {_fmt(t.get('fo flat'))} "
                 f"| {_fmt(t.get('optax'))} | {_fmt(t.get('torch foreach'))} | {_fmt(t.get('torch fused'))} "
-                f"| {_fmt(q.get('fo/optax'))} | {_fmt(q.get('fo fused=False/optax'))} "
+                f"| {_fmt(q.get('fo/optax'))} | {_fmt(q.get('fo via update/optax'))} "
+                f"| {_fmt(q.get('fo fused=False/optax'))} "
                 f"| {_fmt(q['fo/torch fused'])} | {_fmt(q.get('fo fused/torch fused'))} "
                 f"| {_fmt(q.get('fo fused/optax'))} | {_fmt(q.get('fo flat/torch fused'))} "
                 f"| {_fmt(r['gbps'].get('fo fused'), '.1f')} | {_fmt(r['ceiling_gbps'], '.1f')} "
@@ -1079,15 +1098,17 @@ def markdown(result: dict[str, Any]) -> str:
             "what slows the whole machine during it. An interval above 1: slower than optax "
             "beyond the noise; below 1: faster; across 1: not told apart by this run.",
             "",
-            "| step | params | leaves | reps | functorch_optim / optax | fo fused=False / optax |",
-            "|---|---|---|---|---|---|",
+            "| step | params | leaves | reps | functorch_optim / optax | fo via update / optax "
+            "| fo fused=False / optax |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in paired:
             q = r["paired"]
             reps = next(v["reps"] for v in q.values() if v)
             lines.append(
                 f"| {r['algorithm']} | {_size(r['params'])} | {r['leaves']} | {reps} "
-                f"| {cell(q.get('fo/optax'))} | {cell(q.get('fo fused=False/optax'))} |"
+                f"| {cell(q.get('fo/optax'))} | {cell(q.get('fo via update/optax'))} "
+                f"| {cell(q.get('fo fused=False/optax'))} |"
             )
         lines.append("")
     if result.get("accumulate"):

@@ -162,11 +162,23 @@ FO_CLONES void AddLoop(int64_t lo, int64_t hi, T* __restrict acc, const T* __res
   }
 }
 
+// Where a step's new parameter goes: over the parameter, or with ``kDelta`` (``update``'s
+// call: the parameter stays as it is) the update ``new - param`` over the gradient, which
+// the loop has read at ``i`` already (the output aliases the gradient's operand).
+template <bool kDelta, typename T>
+inline void Put(int64_t i, T* __restrict p, T* __restrict g, T pi, T np) {
+  if (kDelta) {
+    g[i] = np - pi;
+  } else {
+    p[i] = np;
+  }
+}
+
 // ---------------------------------------------------------------------------------- SGD
 // scalars: [-lr, momentum, 1 - dampening, weight_decay]
 // flags:   [active, weight_decay != 0, step == 1, momentum != 0]
-template <typename T, bool kWd, bool kUse, bool kWindow, bool kHasG, bool kMean>
-FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict buf,
+template <typename T, bool kWd, bool kUse, bool kWindow, bool kHasG, bool kMean, bool kDelta>
+FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, T* __restrict g, T* __restrict buf,
              T* __restrict acc, T neg_lr, T mom, T damp1, T wd, T sign, const WindowScalars<T>& w, bool first,
              bool nesterov) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -179,7 +191,7 @@ FO_CLONES void SgdLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restr
       buf[i] = nb;
       gi = nesterov ? std::fma(mom, nb, gi) : nb;
     }
-    p[i] = std::fma(neg_lr, gi, pi);
+    Put<kDelta>(i, p, g, pi, std::fma(neg_lr, gi, pi));
   }
 }
 
@@ -194,8 +206,9 @@ struct AdamScalars {
 
 // ``kSmall`` (``|w| < 0.5``, torch's lerp form) is a template flag, not a branch in the
 // loop: with it in the loop GCC kept a branch per element and did not vectorize.
-template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean, bool kSmall>
-FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict m,
+template <typename T, bool kDecay, bool kCoupled, bool kAms, bool kWindow, bool kHasG, bool kMean, bool kSmall,
+          bool kDelta>
+FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, T* __restrict g, T* __restrict m,
               T* __restrict v, T* __restrict vmax, T* __restrict acc, const AdamScalars<T> c,
               const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -219,15 +232,15 @@ FO_CLONES void AdamLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __rest
     const T denom = std::sqrt(second) / c.bc2s + c.eps;
     const T update = (c.neg_ss * nm) / denom;
     // decoupled decay: param.mul_(1 - lr * wd) rounds, then the update is added
-    p[i] = (kDecay ? pi * c.decay : pi) + update;
+    Put<kDelta>(i, p, g, pi, (kDecay ? pi * c.decay : pi) + update);
   }
 }
 
 // ------------------------------------------------------------------------------ Adagrad
 // scalars: [-clr = -lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
 // flags:   [active, weight_decay != 0]
-template <typename T, bool kWd, bool kWindow, bool kHasG, bool kMean>
-FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sum,
+template <typename T, bool kWd, bool kWindow, bool kHasG, bool kMean, bool kDelta>
+FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, T* __restrict g, T* __restrict sum,
                  T* __restrict acc, T neg_clr, T wd, T eps, T sign, const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
     const T pi = p[i];
@@ -235,7 +248,7 @@ FO_CLONES void AdagradLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
     if (kWd) gi = std::fma(wd, pi, gi);
     const T ns = std::fma(gi, gi, sum[i]);
     sum[i] = ns;
-    p[i] = pi + (neg_clr * gi) / (std::sqrt(ns) + eps);
+    Put<kDelta>(i, p, g, pi, pi + (neg_clr * gi) / (std::sqrt(ns) + eps));
   }
 }
 
@@ -249,8 +262,9 @@ struct RmspropScalars {
   T alpha, oma, omoma, eps, neg_lr, wd, mom, sign;
 };
 
-template <typename T, bool kWd, bool kCentered, bool kMom, bool kWindow, bool kHasG, bool kMean, bool kSmall>
-FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __restrict g, T* __restrict sq,
+template <typename T, bool kWd, bool kCentered, bool kMom, bool kWindow, bool kHasG, bool kMean, bool kSmall,
+          bool kDelta>
+FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, T* __restrict g, T* __restrict sq,
                  T* __restrict mb, T* __restrict ga, T* __restrict acc, const RmspropScalars<T> c,
                  const WindowScalars<T>& w) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -274,9 +288,9 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
       // buf.mul_(momentum).addcdiv_(grad, avg): the product rounded, then the add
       const T nb = mb[i] * c.mom + gi / denom;
       mb[i] = nb;
-      p[i] = std::fma(nb, c.neg_lr, pi);
+      Put<kDelta>(i, p, g, pi, std::fma(nb, c.neg_lr, pi));
     } else {
-      p[i] = pi + (c.neg_lr * gi) / denom;
+      Put<kDelta>(i, p, g, pi, pi + (c.neg_lr * gi) / denom);
     }
   }
 }
@@ -292,20 +306,24 @@ FO_CLONES void RmspropLoop(int64_t lo, int64_t hi, T* __restrict p, const T* __r
 // params[L] and the buffers, each aliasing its argument. The step counters are the jitted
 // code's (parameters that step alike share one). A window call's parameter without a
 // gradient in this call (its gradient flag is 0) may have a one-element stand-in for it.
+// With ``delta`` (``update``'s call, never a window's) the parameters are only read, and
+// the first outputs alias the gradients: each gets the update ``new - param`` (a
+// parameter that does not take the step: ``param - param``), what the jitted rule's
+// ``update`` computes; no copy of the parameters, which stay alive after ``update``.
 // A call's static attributes: its parameters, the table's row of the first, whether they
-// all read one row, whether it is a window call.
+// all read one row, whether it is a window call, a delta call.
 struct Call {
   int64_t count, first_row;
-  bool one_row, window;
+  bool one_row, window, delta;
 };
 
 template <typename T>
 struct Leaves {
   int64_t count = 0, buffers = 0, n_scalars = 0, n_flags = 0, first_row = 0;
-  bool window = false, one_row = false;
+  bool window = false, one_row = false, delta = false;
   std::vector<int64_t> size;
-  std::vector<T*> param;
-  std::vector<const T*> grad;  // nullptr: no gradient in this call (window only)
+  std::vector<T*> param;  // read only in a delta call
+  std::vector<T*> grad;   // nullptr: no gradient in this call (window only); written only in a delta call
   std::vector<T*> buffer;      // buffer[k * count + i]; the accumulator is kind ``buffers``
   const T* table = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
@@ -336,6 +354,7 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   };
   const int64_t kinds = buffers + (window ? 1 : 0);
   if (window) n_scalars += 2, n_flags += 4;
+  if (window && call.delta) return fail("a window call writes its parameters");
   if (count < 1 || static_cast<int64_t>(args.size()) != (2 + kinds) * count + 1 ||
       static_cast<int64_t>(rets.size()) != (1 + kinds) * count) {
     return fail("wrong number of operands");
@@ -355,6 +374,7 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
   out.window = window;
   out.first_row = call.first_row;
   out.one_row = call.one_row;
+  out.delta = call.delta;
   for (int64_t j = 0; j < (2 + kinds) * count; ++j) {
     ffi::AnyBuffer b = args.get<ffi::AnyBuffer>(j).value();
     const int64_t i = j % count;
@@ -362,13 +382,16 @@ ffi::Error Unpack(const char* name, ffi::RemainingArgs args, ffi::RemainingRets 
     // a window call's parameter without a gradient in this call (None: a one-element
     // stand-in; grad_mask off: the gradient, unread)
     const bool no_grad = window && j >= count && j < 2 * count && !out.window_flags(i)[0];
+    // output i: the parameter's, or in a delta call its gradient's (the update over it)
+    T* const output = j < 2 * count ? static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data())
+                                    : nullptr;
     if (j < count) {
       out.size.push_back(b.element_count());
-      out.param.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data()));
+      out.param.push_back(call.delta ? static_cast<T*>(b.untyped_data()) : output);
     } else if (b.element_count() != out.size[i] && !(no_grad && b.element_count() == 1)) {
       return fail("operand unlike its parameter");
     } else if (j < 2 * count) {
-      out.grad.push_back(no_grad ? nullptr : static_cast<const T*>(b.untyped_data()));
+      out.grad.push_back(no_grad ? nullptr : call.delta ? output : static_cast<T*>(b.untyped_data()));
     } else {
       out.buffer.push_back(static_cast<T*>(rets.get<ffi::AnyBuffer>(j - count).value()->untyped_data()));
     }
@@ -390,9 +413,16 @@ void WindowWork(const Leaves<T>& x, int64_t i, int64_t lo, int64_t hi) {
       x.grad[i] != nullptr, w.scale != T(1));
 }
 
+// A delta call's leaf that does not take the step: its update ``param - param`` (0, or NaN
+// where the parameter is not finite, as the jitted ``new - param``).
+template <typename T>
+FO_CLONES void StillLoop(int64_t lo, int64_t hi, const T* __restrict p, T* __restrict u) {
+  for (int64_t i = lo; i < hi; ++i) u[i] = p[i] - p[i];
+}
+
 // Runs step(leaf, lo, hi) over the elements of every active leaf, in items of kGrain. In
 // a window call every leaf has work (the accumulator moves on every call): an active leaf
-// steps, the others run WindowWork.
+// steps, the others run WindowWork; in a delta call the others write their zero update.
 template <typename T, typename Step>
 void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
   struct Item {
@@ -403,7 +433,7 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
   for (int64_t i = 0; i < leaves.count; ++i) {
     // grad_mask: outputs alias inputs, unchanged
     const bool active = leaves.flag_row(i)[0] != 0;
-    if (!active && !leaves.window) continue;
+    if (!active && !leaves.window && !leaves.delta) continue;
     for (int64_t lo = 0; lo < leaves.size[i]; lo += kGrain) {
       items.push_back({i, lo, std::min(leaves.size[i], lo + kGrain), active});
     }
@@ -412,20 +442,26 @@ void ForEachItem(ffi::ThreadPool& pool, const Leaves<T>& leaves, Step step) {
     const Item& it = items[k];
     if (it.active) {
       step(it.leaf, it.lo, it.hi);
-    } else {
+    } else if (leaves.window) {
       WindowWork(leaves, it.leaf, it.lo, it.hi);
+    } else {
+      StillLoop(it.lo, it.hi, leaves.param[it.leaf], leaves.grad[it.leaf]);
     }
   });
 }
 
-// The window template flags of leaf i, (window, this call has a gradient, scaled), and
-// its window scalars, for f(scalars, flags...).
+// The call's template flags for leaf i, (window, this call has a gradient, scaled, delta),
+// and its window scalars, for f(scalars, flags...): only the combinations a call can have
+// are compiled (the gradient's flags in a window call, a delta outside one).
 template <typename T, typename F>
 void WithWindow(const Leaves<T>& x, int64_t i, F&& f) {
   const bool window = x.window;
   const WindowScalars<T> w = x.window_scalars(i);
-  WithFlags([&](auto... c) { f(w, c...); }, window, window && x.grad[i] != nullptr,
-            window && w.scale != T(1));
+  WithFlags(
+      [&](auto kWindow, auto kHasG, auto kMean, auto kDelta) {
+        if constexpr (kWindow ? !kDelta : !kHasG && !kMean) f(w, kWindow, kHasG, kMean, kDelta);
+      },
+      window, window && x.grad[i] != nullptr, window && w.scale != T(1), !window && x.delta);
 }
 
 template <typename T>
@@ -433,10 +469,10 @@ void SgdStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool nesterov, bool maxi
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);  // -lr, momentum, 1 - dampening, weight_decay
     const T* f = x.flag_row(i);  // active, weight_decay != 0, step == 1, momentum != 0
-    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean, auto kDelta) {
       WithFlags(
           [&](auto kWd, auto kUse) {
-            SgdLoop<T, kWd, kUse, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i),
+            SgdLoop<T, kWd, kUse, kWindow, kHasG, kMean, kDelta>(lo, hi, x.param[i], x.grad[i], x.buf(0, i),
                                                          x.acc(i), s[0], s[1], s[2], s[3],
                                                          maximize ? T(-1) : T(1), w, bool(f[2]),
                                                          nesterov);
@@ -454,10 +490,10 @@ void AdamStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize, bool dec
     const T* f = x.flag_row(i);  // active, weight_decay != 0, |w| < 0.5
     const AdamScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
                            maximize ? T(-1) : T(1), bool(f[2])};
-    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean, auto kDelta) {
       WithFlags(
           [&](auto kDecay, auto kCoupled, auto kAms, auto kSmall) {
-            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean, kSmall>(
+            AdamLoop<T, kDecay, kCoupled, kAms, kWindow, kHasG, kMean, kSmall, kDelta>(
                 lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.buf(1, i), x.buf(2, i), x.acc(i), c, w);
           },
           decoupled && f[1], !decoupled && f[1], x.buffers == 3, c.small);
@@ -471,10 +507,10 @@ void AdagradStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool maximize) {
   auto step = [&](int64_t i, int64_t lo, int64_t hi) {
     const T* s = x.scalar_row(i);  // -clr, weight_decay, eps
     const T* f = x.flag_row(i);  // active, weight_decay != 0
-    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean, auto kDelta) {
       WithFlags(
           [&](auto kWd) {
-            AdagradLoop<T, kWd, kWindow, kHasG, kMean>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.acc(i),
+            AdagradLoop<T, kWd, kWindow, kHasG, kMean, kDelta>(lo, hi, x.param[i], x.grad[i], x.buf(0, i), x.acc(i),
                                                        s[0], s[1], s[2], maximize ? T(-1) : T(1), w);
           },
           bool(f[1]));
@@ -492,10 +528,10 @@ void RmspropStep(ffi::ThreadPool& pool, const Leaves<T>& x, bool has_momentum, b
     const RmspropScalars<T> c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], maximize ? T(-1) : T(1)};
     T* mb = has_momentum ? x.buf(1, i) : nullptr;
     T* ga = centered ? x.buf(has_momentum ? 2 : 1, i) : nullptr;
-    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean) {
+    WithWindow(x, i, [&](const WindowScalars<T>& w, auto kWindow, auto kHasG, auto kMean, auto kDelta) {
       WithFlags(
           [&](auto kWd, auto kCentered, auto kMom, auto kSmall) {
-            RmspropLoop<T, kWd, kCentered, kMom, kWindow, kHasG, kMean, kSmall>(
+            RmspropLoop<T, kWd, kCentered, kMom, kWindow, kHasG, kMean, kSmall, kDelta>(
                 lo, hi, x.param[i], x.grad[i], x.buf(0, i), mb, ga, x.acc(i), c, w);
           },
           bool(f[1]), centered, has_momentum && f[2], centered && f[3]);
@@ -524,30 +560,30 @@ ffi::Error Dispatch(const char* name, ffi::RemainingArgs args, ffi::RemainingRet
 }
 
 ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                   int64_t first_row, bool one_row, bool window, bool has_momentum, bool nesterov,
+                   int64_t first_row, bool one_row, bool window, bool delta, bool has_momentum, bool nesterov,
                    bool maximize) {
-  return Dispatch("fused SGD", args, rets, {count, first_row, one_row, window}, has_momentum ? 1 : 0, 4, 4,
+  return Dispatch("fused SGD", args, rets, {count, first_row, one_row, window, delta}, has_momentum ? 1 : 0, 4, 4,
                   [&](const auto& leaves) { SgdStep(pool, leaves, nesterov, maximize); });
 }
 
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                    int64_t first_row, bool one_row, bool window, bool maximize, bool decoupled,
+                    int64_t first_row, bool one_row, bool window, bool delta, bool maximize, bool decoupled,
                     bool amsgrad) {
-  return Dispatch("fused Adam", args, rets, {count, first_row, one_row, window}, amsgrad ? 3 : 2, 9, 3,
+  return Dispatch("fused Adam", args, rets, {count, first_row, one_row, window, delta}, amsgrad ? 3 : 2, 9, 3,
                   [&](const auto& leaves) { AdamStep(pool, leaves, maximize, decoupled); });
 }
 
 ffi::Error AdagradImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                       int64_t first_row, bool one_row, bool window, bool maximize) {
-  return Dispatch("fused Adagrad", args, rets, {count, first_row, one_row, window}, 1, 3, 2,
+                       int64_t first_row, bool one_row, bool window, bool delta, bool maximize) {
+  return Dispatch("fused Adagrad", args, rets, {count, first_row, one_row, window, delta}, 1, 3, 2,
                   [&](const auto& leaves) { AdagradStep(pool, leaves, maximize); });
 }
 
 ffi::Error RmspropImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t count,
-                       int64_t first_row, bool one_row, bool window, bool has_momentum, bool centered,
+                       int64_t first_row, bool one_row, bool window, bool delta, bool has_momentum, bool centered,
                        bool maximize) {
   const int64_t buffers = 1 + (has_momentum ? 1 : 0) + (centered ? 1 : 0);
-  return Dispatch("fused RMSprop", args, rets, {count, first_row, one_row, window}, buffers, 7, 4,
+  return Dispatch("fused RMSprop", args, rets, {count, first_row, one_row, window, delta}, buffers, 7, 4,
                   [&](const auto& leaves) { RmspropStep(pool, leaves, has_momentum, centered, maximize); });
 }
 
@@ -562,6 +598,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoSgd, SgdImpl,
                                   .Attr<int64_t>("first_row")
                                   .Attr<bool>("one_row")
                                   .Attr<bool>("window")
+                                  .Attr<bool>("delta")
                                   .Attr<bool>("has_momentum")
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("maximize"));
@@ -575,6 +612,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdam, AdamImpl,
                                   .Attr<int64_t>("first_row")
                                   .Attr<bool>("one_row")
                                   .Attr<bool>("window")
+                                  .Attr<bool>("delta")
                                   .Attr<bool>("maximize")
                                   .Attr<bool>("decoupled")
                                   .Attr<bool>("amsgrad"));
@@ -588,6 +626,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAdagrad, AdagradImpl,
                                   .Attr<int64_t>("first_row")
                                   .Attr<bool>("one_row")
                                   .Attr<bool>("window")
+                                  .Attr<bool>("delta")
                                   .Attr<bool>("maximize"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FoRmsprop, RmspropImpl,
@@ -599,6 +638,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoRmsprop, RmspropImpl,
                                   .Attr<int64_t>("first_row")
                                   .Attr<bool>("one_row")
                                   .Attr<bool>("window")
+                                  .Attr<bool>("delta")
                                   .Attr<bool>("has_momentum")
                                   .Attr<bool>("centered")
                                   .Attr<bool>("maximize"));
