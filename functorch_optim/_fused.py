@@ -585,12 +585,12 @@ def rule_for_update(params: list[Any], grads: list[Any]) -> set[int]:
     buffer on every step; the rule computes the update in XLA's own loops. Where the
     rule's fused multiply-adds are FMA instructions (``cpu_contracts_fma``) it does for
     all of them; where they are the exact emulation (slow to compile: AdamW over 1000
-    parameters of 1000 elements, 20.5 s to the kernel's 1.8 s), from ``COPY_LIMIT``
-    elements of such gradients in the dtype: measured on 2 cores (AVX-512, no
-    contraction), ``update`` + ``optax.apply_updates`` over one parameter, rule against
-    kernel: 10M elements, SGD 3.0 against 23 ms, Adam 10.4 against 23 ms (the copy
-    is new memory on every step: 9767 page faults); 1M, SGD 0.24 against 0.41 ms, Adam
-    1.47 against 0.65 ms."""
+    parameters of 1000 elements through ``update``, 20.5 s to the kernel's 2.7 s), from
+    ``COPY_LIMIT`` elements of such gradients in the dtype: measured on 2 cores
+    (AVX-512, no contraction), ``update`` + ``optax.apply_updates`` over one parameter,
+    rule against kernel: 10M elements, plain SGD 3.0 against 23 ms, Adam 10.4 against
+    23 ms (the copy is new memory on every step: 9767 page faults); 1M, plain SGD 0.24
+    against 0.41 ms, Adam 1.47 against 0.65 ms."""
     outside: dict[Any, list[int]] = {}
     for i, (param, grad) in enumerate(zip(params, grads)):
         if kernel_leaf(param) and held_outside(grad):
@@ -655,7 +655,7 @@ class FusedStep:
         param, buffers)``, the kernel writing the update over the gradient
         (``_call``): the parameters stay as they are, so a kernel that wrote them in place
         would work on a copy, a new buffer the size of the parameters on every step (on
-        2 cores, AdamW over 10M parameters through ``update``: 21 ms a step, 9767 page
+        2 cores, Adam over 10M parameters through ``update``: 21 ms a step, 9767 page
         faults, against 4.5 ms through ``fo.step``). For the default, where the gradient
         is an argument of the trace, XLA would copy it: ``rule_for_update``."""
         kernel, algorithm = self.kernel, self.algorithm
