@@ -664,10 +664,11 @@ class FusedStep:
         # (for the default: not where this trace computes the gradients, rule_in_trace)
         params, grads = [leaf[0] for leaf in leaves], [leaf[1] for leaf in leaves]
         kernels = _kernels_apply(self.auto) and not (self.auto and rule_in_trace(params, grads))
-        ruled = rule_for_update(params, grads) if delta and self.auto else set()
-        owned = [i for i in range(len(leaves)) if i not in ruled]
-        batches = [[owned[j] for j in b] for b in kernel_batches([params[i] for i in owned], self.auto)]
-        batches = batches if kernels else []
+        batches = []
+        if kernels:
+            ruled = rule_for_update(params, grads) if delta and self.auto else set()
+            owned = [i for i in range(len(leaves)) if i not in ruled]
+            batches = [[owned[j] for j in b] for b in kernel_batches([params[i] for i in owned], self.auto)]
         taken = {i for indices in batches for i in indices}
 
         def rule(leaf, hparams_of, one):

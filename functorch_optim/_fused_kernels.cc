@@ -324,7 +324,7 @@ struct Leaves {
   std::vector<int64_t> size;
   std::vector<T*> param;  // read only in a delta call
   std::vector<T*> grad;   // nullptr: no gradient in this call (window only); written only in a delta call
-  std::vector<T*> buffer;      // buffer[k * count + i]; the accumulator is kind ``buffers``
+  std::vector<T*> buffer;  // buffer[k * count + i]; the accumulator is kind ``buffers``
   const T* table = nullptr;
   T* buf(int64_t k, int64_t i) const { return k < buffers ? buffer[k * count + i] : nullptr; }
   T* acc(int64_t i) const { return window ? buffer[buffers * count + i] : nullptr; }

@@ -924,6 +924,24 @@ def test_the_default_over_a_torch_modules_parameters_takes_the_kernel_and_matche
     report = assert_matches_torch(name, params, loss_fn=loss, data=data, rtol=1e-12, **config)
     assert report.steps == 25 and report.max_rel < 1e-12
 
+    # optax's way over the same parameters, in a whole training step (the kernel writes
+    # each update over the gradient): the rule's bits, and within 1e-12 of fo.step's
+    # torch-equal parameters (p + (new - p) may round differently from new)
+    def trained(tx, via):
+        def step(p, s, batch):
+            return _stepped(tx, p, jax.grad(loss)(p, batch), s, via)
+
+        step, p, s = jax.jit(step), params, tx.init(params)
+        for batch in data:
+            p, s = step(p, s, batch)
+        return p, s
+
+    make = getattr(fo, name) if name != "rmsprop" else rmsprop
+    kernel = trained(make(**config), "update")
+    assert_bitwise_equal(kernel, trained(make(**config, fused=False), "update"))
+    for a, b in zip(jax.tree.leaves(kernel[0]), jax.tree.leaves(trained(make(**config), "step")[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
+
 
 def test_a_cpu_step_traces_the_kernel_alone_and_an_export_for_another_platform_the_rule(monkeypatch):
     # the rule stands beside the kernel for the platforms without it, but is traced only
