@@ -523,8 +523,23 @@ def grad_accumulate(
             )
             return updates, inner
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (updates, inner), new_state = run(call, grads, state, params, (zeros, state.inner_state), step)
+        if every == 1 and not weighted:
+            # every call steps: the carry's updates are never returned as they came in
+            start = jax.tree.map(jnp.zeros_like, params)
+        else:
+            # a call that does not step returns zeros, selected below (fused into
+            # ``apply_updates``' add). The carry starts in the gradient's own buffer, dead
+            # once added in: a zero tree here would be a new buffer the size of the
+            # parameters on every micro-step, written (and page-faulted) for nothing
+            def start_leaf(g, p):
+                if p is None:  # not a parameter (e.g. an equinox module's filtered-out field)
+                    return None
+                return jnp.zeros_like(p) if g is None else g.astype(p.dtype)
+
+            start = jax.tree.map(start_leaf, grads, params, is_leaf=is_none)
+        (updates, inner), new_state = run(call, grads, state, params, (start, state.inner_state), step)
+        if not (every == 1 and not weighted):
+            updates = jax.tree.map(lambda u: jnp.where(call.stepping, u, jnp.zeros_like(u)), updates)
         updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
         return updates, new_state(inner)
 

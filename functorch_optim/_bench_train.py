@@ -7,7 +7,9 @@ functorch_optim's AdamW (the default, through ``fo.step`` and, optax's way, thro
 ``tx.update`` + ``optax.apply_updates``; the kernel with ``fused=True``; ``fused=False``),
 ``optax.adamw`` (jit, donated) and torch's AdamW (eager single-tensor, ``foreach``, ``fused``, and the
 ``torch.compile``-d model with ``fused`` AdamW where it compiles; on CUDA where JAX runs
-on a GPU, each step timed to the device's end), round-robin in one run.
+on a GPU, each step timed to the device's end), round-robin in one run. In the same
+round robin, an accumulation micro-step of the whole step: ``fo.grad_accumulate`` (through
+``fo.step`` and through ``update``), ``optax.MultiSteps`` and the bare add.
 Reported per contender: step time, compile time (JAX: trace + compile of the whole step,
 the median of cold compiles with JAX's caches cleared before each; also of forward +
 backward alone, so the optimizer's share is the difference; torch
@@ -36,6 +38,7 @@ import optax
 
 import functorch_optim as fo
 from functorch_optim._bench import (
+    NEVER,
     Contender,
     TorchSide,
     compile_seconds,
@@ -250,6 +253,46 @@ def _optax_apply(tx, p, g, s):
     return optax.apply_updates(p, updates), s
 
 
+#: the accumulation micro-step in a whole step (``every = NEVER``: no call steps), against
+#: adding the gradient into an accumulator by hand; timed with the step's contenders
+ADD_IN = "forward + backward + add"
+MICRO = (
+    ADD_IN,
+    "fo grad_accumulate",
+    "fo grad_accumulate via update",
+    "optax MultiSteps",
+)
+
+
+def _micro_contenders(loss, params, batch, param_bytes) -> list[Contender]:
+    """A micro-step of each way to accumulate AdamW's gradients: the bare add (the
+    gradient added into a donated accumulator), ``fo.grad_accumulate`` through ``fo.step``
+    and through ``update`` + ``apply_updates``, and ``optax.MultiSteps``. Not compile-timed
+    (the ``accumulate`` section compares their compile times)."""
+
+    def add_in(tx, p, g, s):
+        return p, jax.tree.map(jnp.add, s, g)
+
+    zeros = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), None)
+    adamw = lambda: fo.adamw(LR, weight_decay=WEIGHT_DECAY)
+    ways = [
+        (ADD_IN, zeros, add_in),
+        ("fo grad_accumulate", fo.grad_accumulate(adamw(), every=NEVER), _fo_apply),
+        ("fo grad_accumulate via update", fo.grad_accumulate(adamw(), every=NEVER), _optax_apply),
+        (
+            "optax MultiSteps",
+            optax.MultiSteps(optax.adamw(LR, weight_decay=WEIGHT_DECAY), every_k_schedule=NEVER),
+            _optax_apply,
+        ),
+    ]
+    out = []
+    for name, tx, apply in ways:
+        c = _jax_contender(name, loss, tx, apply, params, batch, param_bytes)
+        c.extra.pop("compile")
+        out.append(c)
+    return out
+
+
 @contextlib.contextmanager
 def cold_inductor_cache() -> Iterator[str]:
     """``torch.compile`` compiling as in a fresh process on a fresh machine: inductor's
@@ -398,6 +441,7 @@ def bench_train(
                 param_bytes,
             ),
             *_torch_contenders(torch, kind, params, heads, batch, log),
+            *_micro_contenders(loss, params, batch, param_bytes),
         ]
         rounds = compile_rounds or (1 if quick else COMPILE_ROUNDS)
         log(f"train {kind}: compile times, median of {rounds} cold compiles each")
@@ -405,6 +449,8 @@ def bench_train(
         compiled_s = compile_seconds({"forward + backward": fwd_bwd, **jax_compilers}, rounds)
         fwd_bwd_compile = compiled_s.pop("forward + backward")
         timings = time_round_robin(contenders, reps, settle=settle)
+        micro = {c.name: c for c in contenders if c.name in MICRO}
+        contenders = [c for c in contenders if c.name not in MICRO]
         times = {c.name: 1e3 * timings[c.name]["median_s"] for c in contenders}
         compile_s = compiled_s | {c.name: c.extra["compile_s"] for c in contenders if "compile_s" in c.extra}
         row = {
@@ -435,6 +481,13 @@ def bench_train(
         row["paired_vs_optax"] = {
             n: paired_ratio(timings, n, "optax adamw")
             for n in ("fo adamw", "fo adamw via update", "fo adamw fused=True", "fo adamw fused=False")
+        }
+        row["micro_step"] = {
+            "times_ms": {n: 1e3 * timings[n]["median_s"] for n in micro},
+            "spread": {n: timings[n]["spread"] for n in micro},
+            "memory_x_params": {n: c.memory for n, c in micro.items() if c.memory is not None},
+            # over the bare add, rep by rep
+            "paired_vs_add_in": {n: paired_ratio(timings, n, ADD_IN) for n in MICRO[1:]},
         }
         rows.append(row)
     return rows
@@ -508,4 +561,22 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
                 f"| {fmt(r['memory_x_params'].get(n))} |"
             )
         lines.append(f"| {r['model']} | forward + backward alone | {fmt(r['fwd_bwd_compile_s'])} | | | |")
+    micro = [r for r in rows if r.get("micro_step")]
+    if micro:
+        lines += [
+            "",
+            "Accumulating AdamW's gradients, a micro-step of the whole step (no call steps): "
+            f"median ms, peak × the parameters, and over `{ADD_IN}` (the gradient added into "
+            "a donated accumulator by hand) rep by rep, the median ratio and its 95% interval:",
+            "",
+            "| model | " + " | ".join(MICRO) + " | " + " | ".join(f"{n} / add" for n in MICRO[1:]) + " |",
+            "|---|" + "---|" * (2 * len(MICRO) - 1),
+        ]
+        for r in micro:
+            m = r["micro_step"]
+            cells = [f"{fmt(m['times_ms'].get(n))} ({fmt(m['memory_x_params'].get(n))}×P)" for n in MICRO]
+            for n in MICRO[1:]:
+                q = m["paired_vs_add_in"].get(n)
+                cells.append("—" if q is None else f"{q['median']:.2f} ({fmt(q['low'])}–{fmt(q['high'])})")
+            lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     return lines

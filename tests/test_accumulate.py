@@ -306,6 +306,50 @@ def test_window_step_has_no_parameter_sized_temporaries():
     assert _count(entry, "while") == 0 and _count(entry, "conditional") == 0
 
 
+def _layers_loss(params, x):
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return jnp.sum(x**2)
+
+
+@pytest.mark.parametrize(
+    "inner,reduction",
+    [
+        (lambda: fo.adam(lr=1e-3), "mean"),
+        (lambda: fo.sgd(lr=0.1, momentum=0.9, fused=False), "sum"),
+        (lambda: fo.adamw(lr=1e-3), "weighted"),
+        (lambda: optax.adam(1e-3), "mean"),
+    ],
+    ids=["adam-mean", "sgd-rule-sum", "adamw-weighted", "optax-adam-mean"],
+)
+def test_update_in_a_training_step_holds_no_zero_tree(inner, reduction):
+    # optax's way (update, then apply_updates) in a whole training step: a micro-step's
+    # zero updates are selected into apply_updates' add and the step's carry starts in
+    # the gradients' buffers. Before, a zero tree the size of the parameters was a new
+    # buffer on every call, written and page-faulted for nothing (8.4M float32
+    # parameters: micro-step 26.5 ms against fo.step's 20.3). The temporaries are now
+    # fo.step's (the kernel holds every gradient too) or the gradients, held until the
+    # step where fo.step's jitted rule adds each into its accumulator as it comes
+    params = [jnp.full((256, 256), 0.01 * (i + 1), jnp.float32) for i in range(4)]
+    param_bytes = sum(p.nbytes for p in params)
+    x = jnp.ones((2, 256), jnp.float32)
+    tx = fo.grad_accumulate(inner(), every=3, reduction=reduction)
+    kw = {"weight": jnp.float32(2.0)} if reduction == "weighted" else {}
+
+    def whole(p, s, x):
+        updates, s = tx.update(jax.grad(_layers_loss)(p, x), s, p, **kw)
+        return optax.apply_updates(p, updates), s
+
+    def stepped(p, s, x):
+        return fo.step(tx, p, jax.grad(_layers_loss)(p, x), s, **kw)
+
+    def temp_bytes(fn):
+        compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(params, tx.init(params), x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(whole) < max(temp_bytes(stepped), param_bytes) + 0.1 * param_bytes
+
+
 def test_has_grad_is_stacked_in_leaf_order():
     params = {"a": jnp.zeros(2), "b": {"c": jnp.zeros(3), "d": jnp.zeros(1)}}
     # with momentum: an SGD without one keeps no step counters to check below

@@ -442,6 +442,18 @@ def test_train_rows_report_cold_compile_times_and_the_optimizer_share(result):
                 row["compile_s"][n] - row["fwd_bwd_compile_s"]
             )
     assert "the median of 1 cold compiles" in result["md"]
+    # the accumulation micro-step of the same whole step, timed in the same round robin,
+    # kept out of the step's own table and compile rows
+    from functorch_optim._bench_train import MICRO
+
+    for row in rows:
+        micro = row["micro_step"]
+        assert set(micro["times_ms"]) == set(MICRO) and not set(MICRO) & set(row["times_ms"])
+        assert all(_finite_positive(t) for t in micro["times_ms"].values())
+        assert all(micro["memory_x_params"][n] >= 1 for n in MICRO)  # the accumulator at least
+        assert set(micro["paired_vs_add_in"]) == set(MICRO[1:])
+        assert not set(MICRO) & set(row["compile_s"])
+    assert "| model | forward + backward + add | fo grad_accumulate |" in result["md"]
 
 
 def test_the_gpu_script_runs_every_part_with_arguments_the_cli_takes(tmp_path):
