@@ -69,6 +69,7 @@ ADAGRAD_ALGORITHM = Algorithm(
     step_leaf=_step_leaf,
     torch_state_at_init=True,
     fixed_zero=("weight_decay",),
+    fused_fmas=False,  # addcmul_ and addcdiv_ are plain expressions (no ``fma``)
 )
 
 

@@ -368,6 +368,11 @@ class Algorithm:
         structure depends on it, never a value. Where nothing reads the counters (not
         the rule, not torch's state: ``torch_step`` None, and no buffer whose presence
         they would tell: SGD without momentum) the state keeps none (``keeps_step``).
+      fused_fmas: whether ``step_leaf`` computes torch's fused multiply-adds
+        (``_torch_ops.fma``: the exact emulation on a CPU that does not contract them),
+        a bool or ``static -> bool``; default True. Where it does not (SGD without
+        momentum: plain expressions), ``update`` on given gradients runs the rule at
+        every size (``_fused.rule_for_update``).
     """
 
     name: str
@@ -383,6 +388,7 @@ class Algorithm:
     reads_step: bool | Callable[[Mapping[str, Any]], bool] = True
     fixed_zero: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = ()
     fixed_nonzero: tuple[str, ...] = ()
+    fused_fmas: bool | Callable[[Mapping[str, Any]], bool] = True
 
 
 _CHANGEABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("fo_changeable", default=False)

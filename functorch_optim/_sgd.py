@@ -131,6 +131,8 @@ SGD_ALGORITHM = Algorithm(
     prepare=_prepare,
     advances=_advances,
     reads_step=_reads_step,
+    # only the momentum buffer's update is an FMA (``fma``); the rest are plain expressions
+    fused_fmas=_reads_step,
     # momentum: a number 0 keeps no buffer (``has_momentum``), a nonzero one skips the
     # momentum-0 branch; either way a param_groups edit across it rebuilds the facade's group
     fixed_zero=("weight_decay", "momentum"),
