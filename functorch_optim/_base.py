@@ -371,8 +371,8 @@ class Algorithm:
       fused_fmas: whether ``step_leaf`` computes torch's fused multiply-adds
         (``_torch_ops.fma``: the exact emulation on a CPU that does not contract them),
         a bool or ``static -> bool``; default True. Where it does not (SGD without
-        momentum: plain expressions), ``update`` on given gradients runs the rule at
-        every size (``_fused.rule_for_update``).
+        momentum, Adagrad: plain expressions), ``update`` on given gradients runs the
+        rule at every size (``_fused.rule_for_update``).
     """
 
     name: str
