@@ -449,6 +449,8 @@ def grad_accumulate(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'weighted', got {reduction!r}")
     every = int(every)
     weighted = reduction == "weighted"
+    # every call closes its window and steps on its own gradient (``_direct``)
+    every_call_steps = every == 1 and not weighted
     policy = _Window(every, reduction)
     inner_step = getattr(tx.update, STEP_ATTR, None)
     # fused=True inside: a call is a dtype's kernel calls (``_fused``)
@@ -489,7 +491,7 @@ def grad_accumulate(
         """One call: the policy's decisions (``call``), executed by one strategy.
         ``window``: the inner optimizer's window kernel, where every parameter can take it."""
         acc = state.acc_grads
-        if every == 1 and not weighted:
+        if every_call_steps:
             carry, acc = _direct(policy, call, grads, acc, carry, step, params)
         elif window is not None:
             carry, acc = _fused_or_looped(policy, call, grads, acc, carry, step, params, window)
@@ -523,8 +525,8 @@ def grad_accumulate(
             )
             return updates, inner
 
-        if every == 1 and not weighted:
-            # every call steps: the carry's updates are never returned as they came in
+        if every_call_steps:
+            # the carry's updates are never returned as they came in
             start = jax.tree.map(jnp.zeros_like, params)
         else:
             # a call that does not step returns zeros, selected below (fused into
@@ -538,7 +540,7 @@ def grad_accumulate(
 
             start = jax.tree.map(start_leaf, grads, params, is_leaf=is_none)
         (updates, inner), new_state = run(call, grads, state, params, (start, state.inner_state), step)
-        if not (every == 1 and not weighted):
+        if not every_call_steps:
             updates = jax.tree.map(lambda u: jnp.where(call.stepping, u, jnp.zeros_like(u)), updates)
         updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=is_none)
         return updates, new_state(inner)

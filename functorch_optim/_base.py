@@ -390,6 +390,12 @@ class Algorithm:
     fixed_nonzero: tuple[str, ...] = ()
     fused_fmas: bool | Callable[[Mapping[str, Any]], bool] = True
 
+    def for_static(self, name: str, static: Mapping[str, Any]) -> Any:
+        """Field ``name`` (``reads_step``, ``fixed_zero``, ``fused_fmas``) for a step built
+        with ``static``: its value, or where it is a function of ``static``, its result."""
+        value = getattr(self, name)
+        return value(static) if callable(value) else value
+
 
 _CHANGEABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("fo_changeable", default=False)
 
@@ -425,7 +431,7 @@ def _fixed_flags(
     # the guard for a mismatched restored state poisons ``lr``: no lr, nothing is fixed
     if changeable() or "lr" not in hparams:
         return ()
-    zeros = algorithm.fixed_zero(static) if callable(algorithm.fixed_zero) else algorithm.fixed_zero
+    zeros = algorithm.for_static("fixed_zero", static)
     flags = {}
     for name, zero in [(n, True) for n in zeros] + [(n, False) for n in algorithm.fixed_nonzero]:
         value = hparams.get(name)
@@ -874,8 +880,7 @@ def keeps_step(algorithm: Algorithm, static: Mapping[str, Any], names: Any) -> b
 
 
 def _reads_step(algorithm: Algorithm, static: Mapping[str, Any]) -> bool:
-    reads = algorithm.reads_step
-    return bool(reads(static) if callable(reads) else reads)
+    return bool(algorithm.for_static("reads_step", static))
 
 
 def _runtime_one(count: jax.Array) -> jax.Array:

@@ -670,8 +670,8 @@ class FusedStep:
         kernels = _kernels_apply(self.auto) and not (self.auto and rule_in_trace(params, grads))
         batches = []
         if kernels:
-            fmas = algorithm.fused_fmas(static) if callable(algorithm.fused_fmas) else algorithm.fused_fmas
-            ruled = rule_for_update(params, grads, bool(fmas)) if delta and self.auto else set()
+            fmas = bool(algorithm.for_static("fused_fmas", static))
+            ruled = rule_for_update(params, grads, fmas) if delta and self.auto else set()
             owned = [i for i in range(len(leaves)) if i not in ruled]
             batches = [[owned[j] for j in b] for b in kernel_batches([params[i] for i in owned], self.auto)]
         taken = {i for indices in batches for i in indices}

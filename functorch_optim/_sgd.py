@@ -117,8 +117,9 @@ def _advances(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Any:
     return in_use(static, hp, "momentum") if static["has_momentum"] else True
 
 
-def _reads_step(static: Mapping[str, Any]) -> bool:
-    # only the momentum buffer's first step reads the counter
+def _has_momentum(static: Mapping[str, Any]) -> bool:
+    # only the momentum buffer's first step reads the counter, and only the buffer's
+    # update is an FMA (``fma``); the rest of the rule are plain expressions
     return static["has_momentum"]
 
 
@@ -130,9 +131,8 @@ SGD_ALGORITHM = Algorithm(
     torch_step=None,
     prepare=_prepare,
     advances=_advances,
-    reads_step=_reads_step,
-    # only the momentum buffer's update is an FMA (``fma``); the rest are plain expressions
-    fused_fmas=_reads_step,
+    reads_step=_has_momentum,
+    fused_fmas=_has_momentum,
     # momentum: a number 0 keeps no buffer (``has_momentum``), a nonzero one skips the
     # momentum-0 branch; either way a param_groups edit across it rebuilds the facade's group
     fixed_zero=("weight_decay", "momentum"),

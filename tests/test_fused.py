@@ -762,19 +762,19 @@ def test_update_on_given_gradients_runs_a_rule_without_fmas_at_every_size(
 ):
     # Algorithm.fused_fmas says whether the rule computes torch's FMAs (the exact
     # emulation where the CPU does not contract them): SGD without momentum and Adagrad
-    # do not. A rule without them (SGD without momentum) runs update on given
-    # gradients at every size (rule_for_update): on the AVX-512 CPU over 1M elements
-    # plain SGD 0.35 ms against the kernel's 0.71 (optax 0.33), Adagrad 0.68 against
-    # 1.09 (optax 0.59); with them, below
-    # COPY_LIMIT elements only where the CPU contracts; the same bits either way
+    # do not, and their rule runs update on given gradients at every size
+    # (rule_for_update; on the AVX-512 CPU over 1M elements plain SGD 0.35 ms against
+    # the kernel's 0.71, optax 0.33; Adagrad 0.68 against 1.09, optax 0.59); the others
+    # below COPY_LIMIT elements only where the CPU contracts. The same bits as the
+    # kernel's and the rule's, on rows short enough for LLVM to vectorize across them
     calls = []
     program = _torch_ops._fma_program
     monkeypatch.setattr(_torch_ops, "_fma_program", lambda *a: calls.append(1) or program(*a))
     params = {
-        "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3),
-        "b": jnp.ones((5,), jnp.float32),
+        "w": jnp.linspace(-1.0, 1.0, 185, dtype=jnp.float32).reshape(37, 5),
+        "b": jnp.linspace(0.5, 2.0, 67, dtype=jnp.float32),
     }
-    grads = jax.tree.map(lambda p: jnp.cos(p) * 0.5, params)
+    grads = jax.tree.map(lambda p: jnp.cos(p * 3.1) * 0.5, params)
 
     def given(tx):
         def step(p, g, s):
@@ -794,12 +794,13 @@ def test_update_on_given_gradients_runs_a_rule_without_fmas_at_every_size(
     takes_rule = not re.search(r"custom-call\(", text)
     assert takes_rule == (not fmas or _torch_ops.cpu_contracts_fma(np.float32))
     out = []
-    for t in (tx, rule):
+    for t in (tx, make(**config, fused=True), rule):
         p, s = params, t.init(params)
         for k in range(3):
             p, s = given(t)(p, jax.tree.map(lambda g: g * (k + 1), grads), s)
         out.append((p, s))
     assert_bitwise_equal(out[0], out[1])
+    assert_bitwise_equal(out[0], out[2])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
