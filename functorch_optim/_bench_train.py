@@ -362,6 +362,27 @@ def _torch_contenders(torch: TorchSide | None, kind, params, heads, batch, log) 
     return out
 
 
+def model(kind: str, sizes: dict[str, tuple[int, ...]]) -> tuple[dict[str, Any], tuple, Callable, int, dict]:
+    """``(params, batch, loss, heads, shape)`` of the bench's ``kind`` ("mlp" or
+    "transformer") at ``sizes`` (``FULL`` or ``QUICK``), from a fixed seed; ``loss(params,
+    *batch)``."""
+    rng = np.random.default_rng(0)
+    if kind == "mlp":
+        width, batch_size = sizes["mlp"]
+        params = mlp_params(width, rng)
+        batch = (
+            jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32),
+            jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32),
+        )
+        return params, batch, mlp_loss, 0, {"layers": MLP_LAYERS, "width": width, "batch": batch_size}
+    d, heads, seq, batch_size, vocab = sizes["transformer"]
+    params = transformer_params(d, vocab, seq + 1, rng)
+    batch = (jnp.asarray(rng.integers(0, vocab, (batch_size, seq + 1)), jnp.int32),)
+    shape = {"layers": TRANSFORMER_LAYERS, "d_model": d, "heads": heads, "seq": seq}
+    shape |= {"batch": batch_size, "vocab": vocab}
+    return params, batch, lambda p, tokens: transformer_loss(p, tokens, heads), heads, shape
+
+
 def bench_train(
     quick: bool, reps: int, log: Callable[[str], None], settle: int = 1, compile_rounds: int | None = None
 ) -> list[dict[str, Any]]:
@@ -371,22 +392,7 @@ def bench_train(
     torch = _torch_side()
     rows = []
     for kind in ("mlp", "transformer"):
-        rng = np.random.default_rng(0)
-        if kind == "mlp":
-            width, batch_size = sizes["mlp"]
-            params = mlp_params(width, rng)
-            batch = (
-                jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32),
-                jnp.asarray(rng.standard_normal((batch_size, width)), jnp.float32),
-            )
-            loss, heads, shape = mlp_loss, 0, {"layers": MLP_LAYERS, "width": width, "batch": batch_size}
-        else:
-            d, heads, seq, batch_size, vocab = sizes["transformer"]
-            params = transformer_params(d, vocab, seq + 1, rng)
-            batch = (jnp.asarray(rng.integers(0, vocab, (batch_size, seq + 1)), jnp.int32),)
-            loss = lambda p, tokens, heads=heads: transformer_loss(p, tokens, heads)
-            shape = {"layers": TRANSFORMER_LAYERS, "d_model": d, "heads": heads, "seq": seq}
-            shape |= {"batch": batch_size, "vocab": vocab}
+        params, batch, loss, heads, shape = model(kind, sizes)
         leaves = jax.tree.leaves(params)
         n_params = sum(x.size for x in leaves)
         param_bytes = sum(x.nbytes for x in leaves)

@@ -607,19 +607,27 @@ def rule_for_update(params: list[Any], grads: list[Any], fused_fmas: bool = True
     }
 
 
-def rule_in_trace(params: list[Any], grads: list[Any]) -> bool:
+def rule_in_trace(params: list[Any], grads: list[Any], bare: bool = False) -> bool:
     """For the default: whether a step traced now runs the jitted rule although the kernels
     apply. Where the program computes the gradients (``computed_in_trace``), and the
     rule's fused multiply-adds are FMA instructions on this CPU (``cpu_contracts_fma``,
-    for each dtype the kernel would take). Where the probe sends the rule to the exact
-    emulation instead, the kernel is the cheaper program there too: on an AVX-512 CPU
-    (2026-12-07) the bench's 200-leaf MLP whole step with AdamW compiled in 4.81 s with
-    the emulating rule and 1.30 s with the kernel (optax 1.94 s) and ran at 1.07x and
-    1.09x optax's time; the kernel rounds like torch at every magnitude (the emulation
-    rounds twice below 2**-78, 2**-916 in float64)."""
+    for each dtype the kernel would take), or the rule is ``bare``: it computes no fused
+    multiply-add and keeps no buffer (SGD without momentum: one multiply-add of the
+    parameter and the gradient, which XLA fuses into the loop that produces the gradient,
+    where the kernel reads every gradient back from memory).
+
+    Where the probe sends the rule to the exact emulation instead, the kernel is the
+    cheaper program there (measured on an AVX-512 CPU, 2 cores, the bench's 200-leaf MLP
+    whole step, 2026-12-07): with AdamW the emulating rule compiled in 4.81 s and the
+    kernel in 1.30 s (optax 1.94 s), running at 1.07x and 1.09x optax's time; with
+    Adagrad (a buffer, no fused multiply-add) the rule ran at 1.00x optax and compiled in
+    1.55 s, the kernel at 0.96-0.97x in 0.82 s (optax 1.29 s); plain SGD, bare, ran at
+    0.98-1.00x with the rule and 1.06-1.09x with the kernel (12-layer transformer: all
+    three within 0.97-1.00x, its step is the model's). The kernel rounds like torch at
+    every magnitude (the emulation rounds twice below 2**-78, 2**-916 in float64)."""
     if not computed_in_trace(params, grads):
         return False
-    return all(cpu_contracts_fma(d) for d in {p.dtype for p in params if kernel_leaf(p)})
+    return bare or all(cpu_contracts_fma(d) for d in {p.dtype for p in params if kernel_leaf(p)})
 
 
 def kernel_batches(params: list[jax.Array], auto: bool) -> list[list[int]]:
@@ -667,10 +675,11 @@ class FusedStep:
         # without the library every parameter takes the rule
         # (for the default: not where this trace computes the gradients, rule_in_trace)
         params, grads = [leaf[0] for leaf in leaves], [leaf[1] for leaf in leaves]
-        kernels = _kernels_apply(self.auto) and not (self.auto and rule_in_trace(params, grads))
+        fmas = bool(algorithm.for_static("fused_fmas", static))
+        bare = not fmas and not any(leaf[2] for leaf in leaves)
+        kernels = _kernels_apply(self.auto) and not (self.auto and rule_in_trace(params, grads, bare))
         batches = []
         if kernels:
-            fmas = bool(algorithm.for_static("fused_fmas", static))
             ruled = rule_for_update(params, grads, fmas) if delta and self.auto else set()
             owned = [i for i in range(len(leaves)) if i not in ruled]
             batches = [[owned[j] for j in b] for b in kernel_batches([params[i] for i in owned], self.auto)]

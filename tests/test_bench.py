@@ -576,3 +576,24 @@ def test_the_shape_kernels_ablations_each_change_the_rule_and_restore_the_packag
     assert single["plain-divide"]["divide"] == rule["divide"]  # the division stays
     assert ops("barrier")["optimization_barrier"] > rule["optimization_barrier"]
     assert rule == ops("rule")  # the package's rule again, not a variant's trace
+
+
+def test_the_whole_step_rules_script_prints_a_row_per_model_and_optimizer(tmp_path, monkeypatch, capsys):
+    # benchmarks/whole_step_rules.py on the bench's small models: one row per (model,
+    # optimizer), each with its three ratios to optax and four compile times
+    import runpy
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "whole_step_rules.py"
+    out = tmp_path / "rules.md"
+    argv = [str(path), "--quick", "--models", "mlp", "--optimizers", "sgd", "adagrad", "--reps", "3"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--rounds", "1", "--markdown", str(out)])
+    runpy.run_path(str(path), run_name="__main__")
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| mlp |")]
+    assert [row.split(" | ")[1] for row in rows] == ["sgd", "adagrad"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 10
+        assert all(float(c.split()[0]) > 0 for c in cells[2:]), row
+    assert rows[0] in capsys.readouterr().out

@@ -675,7 +675,13 @@ def _loss(params, x):
     return jnp.sum(jnp.tanh(x @ params["w"] + params["b"][None]) ** 2)
 
 
-@pytest.mark.parametrize(("name", "factory", "config"), DEFAULTS, ids=[d[0] for d in DEFAULTS])
+#: DEFAULTS and SGD without momentum, whose rule is bare (``_fused.rule_in_trace``)
+WHOLE_STEP_DEFAULTS = [*DEFAULTS, ("sgd-plain", fo.sgd, dict(lr=0.1, weight_decay=1e-2))]
+
+
+@pytest.mark.parametrize(
+    ("name", "factory", "config"), WHOLE_STEP_DEFAULTS, ids=[d[0] for d in WHOLE_STEP_DEFAULTS]
+)
 def test_a_whole_training_step_takes_the_rule_and_a_step_on_given_gradients_the_kernel(
     name, factory, config, small_steps_take_the_kernel
 ):
@@ -709,16 +715,18 @@ def test_a_whole_training_step_takes_the_rule_and_a_step_on_given_gradients_the_
     clipped = lambda **kw: optax.chain(optax.clip_by_global_norm(0.5), factory(**config, **kw))
     accumulated = lambda **kw: fo.grad_accumulate(factory(**config, **kw), every=2)
     # where the rule would emulate its FMAs (cpu_contracts_fma: an AVX-512 CPU), the
-    # default takes the kernel in a whole step too (rule_in_trace)
-    rule = _torch_ops.cpu_contracts_fma(np.float32)
+    # default takes the kernel in a whole step too (rule_in_trace), but for a bare rule
+    # (no FMA, no buffer: SGD without momentum), which XLA fuses into the backward pass
+    contracts = _torch_ops.cpu_contracts_fma(np.float32)
+    rule = contracts or name == "sgd-plain"
     plain = lambda **kw: factory(**config, **kw)
     for make in (plain, clipped, accumulated):
         default, fused = make(), make(fused=True)
         assert (kernel_calls(whole(default), params, default.init(params), x) == 0) is rule
         assert kernel_calls(whole(fused), params, fused.init(params), x) >= 1
-        # Adagrad's rule computes no FMA (Algorithm.fused_fmas): update on the given
-        # gradients themselves runs it at every size
-        given_rule = rule or (make is plain and name == "adagrad")
+        # the rules of Adagrad and plain SGD compute no FMA (Algorithm.fused_fmas): update
+        # on the given gradients themselves runs them at every size
+        given_rule = contracts or (make is plain and name in ("adagrad", "sgd-plain"))
         assert (kernel_calls(given(default), params, params, default.init(params)) >= 1) is not given_rule
         stepped = lambda p, g, s, tx=default: fo.step(tx, p, g, s)
         assert kernel_calls(stepped, params, params, default.init(params)) >= 1
