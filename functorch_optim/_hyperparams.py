@@ -147,7 +147,8 @@ def fixed_conflicts(static: Mapping[str, Any], values: Mapping[str, Any]) -> lis
     the compiled step fixes."""
     bad = []
     for name, how in dict(static.get(FIXED, ())).items():
-        if name in values and not has_tracer(values[name]):
+        # a string has no zero-ness: ``check_number`` names it (after torch's checks)
+        if name in values and not has_tracer(values[name]) and not isinstance(values[name], str):
             value = to_python(values[name])
             if (value == 0) != (how == "zero"):
                 bad.append(name)

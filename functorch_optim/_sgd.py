@@ -13,7 +13,7 @@ from functorch_optim._base import Algorithm, changeable, make_optimizer
 from functorch_optim._checks import check_fused_flags
 from functorch_optim._fused import fused_algorithm, sgd_kernel
 from functorch_optim._hyperparams import fixed, in_use, to_python
-from functorch_optim._torch_ops import caster, fma, signed_grad
+from functorch_optim._torch_ops import caster, fma, signed_grad, stored
 
 
 def _validate(hp: Mapping[str, Any], static: Mapping[str, Any]) -> None:
@@ -62,6 +62,7 @@ def _step_leaf(param, grad, buffers, step, hp, static):
     # no pass reads the param for the decay, nor the gradient for a momentum-free step
     decays = fixed(static, "weight_decay") != "zero"
     always_momentum = fixed(static, "momentum") == "nonzero"
+    damped = _damped(static)
 
     def effective_grad(param, grad):
         grad = signed_grad(grad, dtype, static["maximize"])
@@ -83,7 +84,14 @@ def _step_leaf(param, grad, buffers, step, hp, static):
         # then add(alpha=) one FMA (``fma`` stores its addend; left to XLA, the add took
         # the other product: buf * momentum contracted, the gradient's product rounded)
         decayed = (c(buf) * momentum).astype(dtype)
-        new_buf = fma(c(g), hp["one_minus_dampening"], c(decayed)).astype(dtype)
+        if damped:
+            new_buf = fma(c(g), hp["one_minus_dampening"], c(decayed)).astype(dtype)
+        else:
+            # dampening built as the number 0: the FMA's product ``g * 1`` is exact, so it
+            # is the sum rounded once, torch's bits without an FMA to emulate (``stored``:
+            # XLA would contract ``buf * momentum``, or a product computing the gradient
+            # in a whole training step, into the add)
+            new_buf = (stored(c(g)) + stored(c(decayed))).astype(dtype)
         # torch creates the buffer on the first step with momentum != 0, seeded with the
         # raw gradient (no dampening); ``step`` counts those steps: 1 = the buffer is new
         new_buf = jnp.where(step == 1, g, new_buf)
@@ -118,9 +126,22 @@ def _advances(hp: Mapping[str, Any], static: Mapping[str, Any]) -> Any:
 
 
 def _has_momentum(static: Mapping[str, Any]) -> bool:
-    # only the momentum buffer's first step reads the counter, and only the buffer's
-    # update is an FMA (``fma``); the rest of the rule are plain expressions
+    # only the momentum buffer's first step reads the counter
     return static["has_momentum"]
+
+
+def _fixed_zero(static: Mapping[str, Any]) -> tuple[str, ...]:
+    # dampening only with a buffer: without one it is read by nothing
+    return (
+        ("weight_decay", "momentum", "dampening") if static["has_momentum"] else ("weight_decay", "momentum")
+    )
+
+
+def _damped(static: Mapping[str, Any]) -> bool:
+    # whether the buffer's update is an FMA (``fma``), the rule's only one (the rest are
+    # plain expressions): not where dampening is built as the number 0 (torch's default),
+    # whose ``add_(grad, alpha=1 - dampening)`` adds the gradient itself
+    return static["has_momentum"] and fixed(static, "dampening") != "zero"
 
 
 SGD_ALGORITHM = Algorithm(
@@ -132,10 +153,11 @@ SGD_ALGORITHM = Algorithm(
     prepare=_prepare,
     advances=_advances,
     reads_step=_has_momentum,
-    fused_fmas=_has_momentum,
+    fused_fmas=_damped,
     # momentum: a number 0 keeps no buffer (``has_momentum``), a nonzero one skips the
-    # momentum-0 branch; either way a param_groups edit across it rebuilds the facade's group
-    fixed_zero=("weight_decay", "momentum"),
+    # momentum-0 branch; either way a param_groups edit across it rebuilds the facade's
+    # group; dampening: a number 0 adds the gradient without the FMA (``_damped``)
+    fixed_zero=_fixed_zero,
     fixed_nonzero=("momentum",),
 )
 

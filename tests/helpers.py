@@ -23,7 +23,7 @@ TREE_SHAPES: dict[str, Any] = {
 #: compiled step (``Algorithm.fixed_zero`` / ``fixed_nonzero``): ``set_hparams`` cannot
 #: move them across 0, so a transformation shared by several configurations is built with
 #: their zero-ness (``zero_ness``) besides the structural flags.
-ZERO_NESS = ("weight_decay", "momentum")
+ZERO_NESS = ("weight_decay", "momentum", "dampening")
 
 
 def zero_ness(config: Any) -> dict[str, float]:

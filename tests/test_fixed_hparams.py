@@ -123,6 +123,61 @@ def test_set_hparams_refuses_a_zero_momentum_where_it_is_fixed(factory):
     fo.set_hparams(state, momentum=0.5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_sgd_dampening_built_as_zero_adds_the_gradient_without_an_fma(dtype, monkeypatch):
+    # torch's buf.mul_(momentum).add_(grad, alpha=1 - dampening) is an FMA, whose product
+    # grad * 1 is exact: with dampening the number 0 (torch's default) the rule adds the
+    # gradient, one rounding, and has no FMA to emulate (Algorithm.fused_fmas); the same
+    # bits as the FMA, in a step on given gradients and in a whole training step whose
+    # gradient is a product (which XLA must not contract into the add)
+    from functorch_optim import _torch_ops
+
+    jax.clear_caches()  # the rule is traced anew (its per-shape jit keeps earlier traces)
+    calls = []
+    program = _torch_ops._fma_program
+    monkeypatch.setattr(_torch_ops, "_fma_program", lambda *a: calls.append(1) or program(*a))
+    fixed = fo.sgd(lr=0.1, momentum=0.9, fused=False)
+    state = fixed.init(_tree(dtype))
+    assert dict(state.hparams.static[FIXED])["dampening"] == "zero"
+    with changeable_hparams():
+        damped = fo.sgd(lr=0.1, momentum=0.9, fused=False)
+    jax.make_jaxpr(functools.partial(fo.step, fixed))(_tree(dtype), _grads(0, dtype), state)
+    assert not calls
+    jax.make_jaxpr(functools.partial(fo.step, damped))(
+        _tree(dtype), _grads(0, dtype), damped.init(_tree(dtype))
+    )
+    assert calls
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.standard_normal((37, 5)), dtype) for _ in range(2))
+
+    def whole(tx):
+        def step(p, s, x, y):
+            # d/dw of sum(w * x * y) is x * y: a product in the step's own loop
+            grads = jax.grad(lambda q: jnp.sum(q["w"] * x * y) + jnp.sum(q["b"] ** 3))(p)
+            return fo.step(tx, p, grads, s)
+
+        return jax.jit(step)
+
+    params = {
+        "w": jnp.asarray(rng.standard_normal((37, 5)), dtype),
+        "b": jnp.linspace(-1, 1, 67, dtype=dtype),
+    }
+    runs = []
+    for tx in (fixed, damped):
+        p, s = params, tx.init(params)
+        for _ in range(4):
+            p, s = whole(tx)(p, s, x, y)
+        runs.append((p, s.buffers))
+    _assert_same(runs[0], runs[1])
+    _assert_same(_run(fixed, dtype=dtype), _run(damped, dtype=dtype))
+    with pytest.raises(ValueError, match=r"dampening=0\.1 for an optimizer built with dampening=0"):
+        fo.set_hparams(state, dampening=0.1)
+    # without a buffer nothing reads dampening: it stays changeable
+    plain = fo.sgd(lr=0.1).init(_tree(dtype))
+    assert "dampening" not in dict(plain.hparams.static[FIXED])
+    fo.set_hparams(plain, dampening=0.1)
+
+
 def test_a_nonzero_weight_decay_and_decoupled_decay_stay_changeable():
     # built nonzero: the select stays, and set_hparams may move it to 0 and back
     state = fo.sgd(lr=0.1, weight_decay=0.1).init(_tree())
@@ -291,6 +346,7 @@ def test_facade_weight_decay_edit_rebuilds_and_matches_a_changeable_build():
 def test_facade_matches_torch_across_the_fixed_flags():
     torch = pytest.importorskip("torch")
     schedule = [{}, {"momentum": 0.0, "weight_decay": 0.1}, {}, {"momentum": 0.5}, {"weight_decay": 0.0}]
+    schedule += [{"dampening": 0.3}, {}, {"dampening": 0.0}]
     opt = SGD(_tree(jnp.float64), lr=0.1, momentum=0.9)
     ours = _facade_run(opt, schedule)
     theirs = _torch_run(torch.optim.SGD, schedule, lr=0.1, momentum=0.9)

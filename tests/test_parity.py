@@ -227,7 +227,11 @@ def test_summary_report_fits_100_columns_and_names_the_worst_config():
 
 def test_compiled_steps_are_shared_without_changing_numbers():
     spec = get_spec("sgd")
-    configs = [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.01, "momentum": 0.5, "dampening": 0.3}]
+    # (the same zero-ness: a dampening number of 0 with a buffer is compiled in)
+    configs = [
+        {"lr": 0.1, "momentum": 0.9, "dampening": 0.1},
+        {"lr": 0.01, "momentum": 0.5, "dampening": 0.3},
+    ]
     cache = parity._StepCache()
     rows = [parity._optimizer_row(spec, c, 5, cache, None, parity.DEFAULT_RTOL) for c in configs]
     assert len(cache.fns) == 1  # one structure (momentum buffer, no nesterov/maximize)
@@ -433,10 +437,11 @@ def _sgd_spec(name, grid, factory=fo.sgd):
 
 def test_an_optimizers_rows_compile_one_program_with_a_slot_per_step():
     # two structures (with and without a momentum buffer), two configs each: numbers are
-    # data (the same zero-ness: a weight_decay or momentum number of 0 is compiled in)
+    # data (the same zero-ness: a weight_decay or momentum number of 0 is compiled in,
+    # and with a buffer a dampening number of 0)
     configs = [
         {"lr": 0.1, "weight_decay": 0.2},
-        {"lr": 0.1, "momentum": 0.9},
+        {"lr": 0.1, "momentum": 0.9, "dampening": 0.1},
         {"lr": 0.01, "weight_decay": 0.05},
         {"lr": 0.01, "momentum": 0.5, "dampening": 0.3},
     ]

@@ -35,13 +35,15 @@ def _cid(c):
 
 
 @functools.cache
-def _jitted(nesterov: bool, maximize: bool, has_momentum: bool, decays: bool):
+def _jitted(nesterov: bool, maximize: bool, has_momentum: bool, decays: bool, damped: bool):
     """One transformation and one jitted step per static combination; numbers are data
-    (but whether momentum and weight_decay are 0 is compiled in: ``Algorithm.fixed_zero``)."""
+    (but whether momentum, weight_decay and dampening are 0 is compiled in:
+    ``Algorithm.fixed_zero``)."""
     tx = fo.sgd(
         lr=0.1,
         momentum=0.9 if has_momentum else 0.0,
         weight_decay=0.5 if decays else 0.0,
+        dampening=0.5 if damped else 0.0,
         nesterov=nesterov,
         maximize=maximize,
     )
@@ -49,9 +51,8 @@ def _jitted(nesterov: bool, maximize: bool, has_momentum: bool, decays: bool):
 
 
 def _run_ours(config, params, grads):
-    tx, step = _jitted(
-        config["nesterov"], config["maximize"], config["momentum"] != 0, config["weight_decay"] != 0
-    )
+    flags = (config["momentum"] != 0, config["weight_decay"] != 0, config["dampening"] != 0)
+    tx, step = _jitted(config["nesterov"], config["maximize"], *flags)
     params = to_jax(params)
     state = fo.set_hparams(tx.init(params), **{k: config[k] for k in NUMERIC})
     for g in grads:
