@@ -260,6 +260,15 @@ def test_a_restored_zero_momentum_steps_to_nan():
     assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["rule", "kernel"])
+def test_a_restored_nonzero_dampening_steps_to_nan(fused):
+    # a checkpoint of an SGD with dampening 0.3 restored into one built with dampening 0
+    # (compiled in): never the undamped rule on the saved value
+    tx = fo.sgd(lr=0.1, momentum=0.9, fused=fused)
+    params, _ = _run(tx, steps=2, state=_restored(tx.init(_tree()), dampening=0.3))
+    assert all(bool(jnp.isnan(p).all()) for p in jax.tree.leaves(params))
+
+
 def test_a_pickled_state_of_another_build_steps_to_nan():
     saved = pickle.dumps(fo.adam(lr=0.1, weight_decay=0.1).init(_tree()))
     params, _ = _run(fo.adam(lr=0.1), steps=1, state=pickle.loads(saved))
