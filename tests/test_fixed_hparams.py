@@ -12,6 +12,7 @@ state restored into a transformation built otherwise steps to NaN, never to anot
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pickle
 import re
@@ -419,32 +420,40 @@ def test_facade_state_assignment_across_the_flag_rebuilds():
 
 
 _RESUME_SCRIPT = """
-import sys, numpy as np, torch, jax
+import json, sys, numpy as np, torch, jax
 jax.config.update("jax_enable_x64", True)
 from functorch_optim import optim
 from functorch_optim.interop.torch import grads_from_module, tree_from_module
+name, built, crossed = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
 model = torch.nn.Linear(10, 1).double()
 model.load_state_dict(torch.load(sys.argv[1] + "/model.pt"))
 x, y = torch.load(sys.argv[1] + "/batch.pt")
-opt = optim.Adam(tree_from_module(model), lr=0.01)  # the port's default weight_decay=0
+opt = getattr(optim, name)(tree_from_module(model), **built)  # the port's default 0
 opt.load_state_dict(torch.load(sys.argv[1] + "/optim.pt"))
 torch.nn.functional.mse_loss(model(x), y).backward()
 opt.grad = grads_from_module(model)
 opt.step()
 np.savez(sys.argv[1] + "/resumed.npz", **{k: np.asarray(v) for k, v in opt.params.items()})
-print("RESUMED", opt.param_groups[0]["weight_decay"])
+print("RESUMED", opt.param_groups[0][crossed])
 """
 
 
-def test_a_torch_checkpoint_with_weight_decay_resumes_in_a_fresh_process(tmp_path):
-    """torch trains Linear(10, 1) with Adam(weight_decay=0.1) and torch.save's it; a fresh
-    process resumes with the facade built with the default weight_decay=0 (a compiled-in
-    0): load_state_dict takes the group's 0.1 and the next step is torch's."""
+@pytest.mark.parametrize(
+    ("name", "built", "crossed", "value"),
+    [("Adam", {"lr": 0.01}, "weight_decay", 0.1), ("SGD", {"lr": 0.01, "momentum": 0.9}, "dampening", 0.3)],
+    ids=["adam-weight_decay", "sgd-dampening"],
+)
+def test_a_torch_checkpoint_across_a_compiled_zero_resumes_in_a_fresh_process(
+    tmp_path, name, built, crossed, value
+):
+    """torch trains Linear(10, 1) with ``crossed=value`` and torch.save's it; a fresh
+    process resumes with the facade built with that hyperparameter's default 0 (compiled
+    in): load_state_dict takes the group's value and the next step is torch's."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = torch.nn.Linear(10, 1).double()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    opt = getattr(torch.optim, name)(model.parameters(), **built, **{crossed: value})
     x, y = torch.randn(16, 10, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
     for _ in range(3):
         opt.zero_grad()
@@ -454,31 +463,31 @@ def test_a_torch_checkpoint_with_weight_decay_resumes_in_a_fresh_process(tmp_pat
     torch.save(opt.state_dict(), tmp_path / "optim.pt")
     torch.save((x, y), tmp_path / "batch.pt")
 
-    def next_step(weight_decay):
-        # torch's next step from the checkpoint, with the saved or another weight_decay
+    def next_step(v):
+        # torch's next step from the checkpoint, with the saved or another value
         m = torch.nn.Linear(10, 1).double()
         m.load_state_dict(torch.load(tmp_path / "model.pt"))
-        o = torch.optim.Adam(m.parameters(), lr=0.01)
+        o = getattr(torch.optim, name)(m.parameters(), **built)
         sd = torch.load(tmp_path / "optim.pt")
-        sd["param_groups"][0]["weight_decay"] = weight_decay
+        sd["param_groups"][0][crossed] = v
         o.load_state_dict(sd)
         torch.nn.functional.mse_loss(m(x), y).backward()
         o.step()
         return {n: q.detach().numpy() for n, q in m.named_parameters()}
 
-    expected, without_decay = next_step(0.1), next_step(0.0)
+    expected, without = next_step(value), next_step(0.0)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), name, json.dumps(built), crossed],
         cwd=root,
         env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0 and "RESUMED 0.1" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and f"RESUMED {value}" in proc.stdout, proc.stderr[-3000:]
     got = np.load(tmp_path / "resumed.npz")
-    for name, want in expected.items():
-        np.testing.assert_allclose(got[name], want, rtol=1e-12, atol=0)
-        # the decay moves this step far beyond the tolerance: a dropped term would show
-        assert np.max(np.abs(without_decay[name] - want) / np.abs(want)) > 1e-8
+    for key, want in expected.items():
+        np.testing.assert_allclose(got[key], want, rtol=1e-12, atol=0)
+        # the term moves this step far beyond the tolerance: a dropped term would show
+        assert np.max(np.abs(without[key] - want) / np.abs(want)) > 1e-8
